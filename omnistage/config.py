@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass, validated on construction. Every field is a
+documented CLI flag / keyword argument of `Omni(...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str                            # local HF-format folder
+    tokenizer: str | None = None          # folder with tokenizer files; default: model
+    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
+    device: str = "auto"                  # auto (cuda if available, else cpu) | cpu | cuda | cuda:N
+    max_model_len: int | None = None      # context window; default: the model's
+    max_num_seqs: int = 64                # sequences decoding at once
+    max_num_batched_tokens: int = 2048    # per-step token budget (prefill chunks + decodes)
+    block_size: int = 16                  # tokens per KV block
+    num_kv_blocks: int | None = None      # KV pool size in blocks; default: from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0       # upper bound on the KV pool when num_kv_blocks is unset
+    enable_prefix_caching: bool = True    # reuse KV blocks of identical prompt prefixes
+    seed: int = 0                         # seed of unseeded sampling
+    num_threads: int | None = None        # torch CPU threads; default: torch's choice
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"engine option {name} {why}", param=name)
+
+        if self.dtype not in ("auto", *_DTYPES):
+            raise bad("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, f"must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_kv_blocks", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise bad(name, f"must be a positive integer or unset, got {v!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise bad("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
+        try:
+            self.torch_device
+        except RuntimeError as e:
+            raise bad("device", f"is not a valid torch device ({e})") from e
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """`auto` keeps the checkpoint's dtype, except half precision on CPU, where most
+        CPUs have no fast bf16/fp16 matmul: there float32 is both faster and exact."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dt = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return dt
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "model"]

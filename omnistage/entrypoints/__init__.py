@@ -1,0 +1,1 @@
+"""User-facing APIs: Omni (offline, blocking) and AsyncOmni (streaming)."""

@@ -1,0 +1,164 @@
+"""AsyncOmni: the streaming API. One engine thread runs `engine.step()` while requests
+exist and sleeps on a condition variable otherwise (no polling); asyncio callers get deltas
+through per-request queues. Torch releases the GIL inside its kernels, so the event loop
+stays responsive while the engine computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from omnistage.entrypoints.omni import engine_config
+from omnistage.entrypoints.prompts import new_request_id, parse_prompt
+from omnistage.errors import EngineDeadError, InvalidRequestError
+from omnistage.llm.engine import LLMEngine
+from omnistage.outputs import Delta
+from omnistage.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue       # Delta items, or an Exception that ends the stream
+
+
+class AsyncOmni:
+    def __init__(self, model: str, **options):
+        self.config = engine_config(model, options)
+        self.engine = LLMEngine(self.config)
+        self._cv = threading.Condition()
+        self._commands: list[Callable[[], None]] = []   # run on the engine thread
+        self._streams: dict[str, _Stream] = {}           # touched on the engine thread only
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="omnistage-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- public API -----------------------------------------------------------------------
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, return_hidden_states: bool = False
+                       ) -> AsyncIterator[Delta]:
+        """Yields Deltas (text and token deltas per sample) until every sample finished.
+        Leaving the loop early (break, cancellation, disconnect) aborts the request."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+        params = sampling_params or SamplingParams()
+        rid = request_id or new_request_id()
+        parsed = parse_prompt(prompt, self.engine.tokenizer)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+        def add() -> None:
+            if rid in self._streams:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+            self.engine.add_request(rid, parsed.token_ids, params, prompt_embeds=parsed.embeds,
+                                    return_hidden_states=return_hidden_states)
+            self._streams[rid] = stream
+
+        self._submit(add, stream)
+        remaining = params.n
+        try:
+            while remaining:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                self._submit(lambda: self._abort_now(rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its generate() stream ends with finish_reason 'abort'."""
+        self._submit(lambda: self._abort_now(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _submit(self, fn: Callable[[], None], stream: _Stream | None = None) -> None:
+        def guarded() -> None:
+            try:
+                fn()
+            except Exception as e:  # a bad request fails itself only
+                if stream is None:
+                    raise
+                _post(stream.loop, stream.queue.put_nowait, e)
+
+        with self._cv:
+            self._commands.append(guarded)
+            self._cv.notify()
+
+    def _abort_now(self, request_id: str) -> None:
+        deltas = self.engine.abort_request(request_id)
+        self._dispatch(deltas)
+        self._streams.pop(request_id, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            try:
+                for cmd in commands:
+                    cmd()
+                self._dispatch(self.engine.step())
+            except Exception as e:
+                log.exception("engine step failed; failing all requests")
+                self.dead = e
+                self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {e!r}"))
+                return
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def _dispatch(self, deltas: list[Delta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream.queue, d))
+            if d.finished and d.request_id not in self.engine.requests:
+                self._streams.pop(d.request_id, None)
+        for loop, items in by_loop.items():   # one wake-up per event loop per step
+            _post(loop, _put_all, items)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            self.engine.abort_request(rid)
+            _post(stream.loop, stream.queue.put_nowait, err)
+        self._streams.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for q, d in items:
+        q.put_nowait(d)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, arg) -> None:
+    """Hand work to an event loop; a loop that has closed meanwhile has no reader left."""
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:
+        pass

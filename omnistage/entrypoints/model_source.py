@@ -1,0 +1,34 @@
+"""Where a model name points: a local folder, or `tiny:ARCH` built offline into a cache dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OMNISTAGE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "omnistage")
+    return Path(root)
+
+
+def resolve_model(model: str) -> str:
+    """`tiny:ARCH[:size]` -> a tiny random checkpoint built on first use (seed 0)."""
+    if not model.startswith("tiny:"):
+        return model
+    from omnistage.tiny import build_tiny
+
+    parts = model.split(":")
+    arch, size = parts[1], (parts[2] if len(parts) > 2 else "tiny")
+    out = cache_dir() / "tiny" / f"{arch}-{size}-seed0"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        build_tiny(arch, tmp, seed=0, size=size)
+        try:
+            tmp.rename(out)  # atomic: a half-built folder is never picked up
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
+    return str(out)

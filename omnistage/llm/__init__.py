@@ -1,0 +1,1 @@
+"""The autoregressive engine: paged KV blocks, a token-budget scheduler, a model runner."""

@@ -1,0 +1,109 @@
+"""Attention over paged KV caches in plain PyTorch (CPU and CUDA alike).
+
+Cache layout per layer: (num_kv_heads, num_blocks, block_size, head_dim), so gathering a
+batch of block tables yields (Hkv, B, L, D) contiguously, ready for a batched matmul with no
+transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
+offset) before attention reads them.
+
+One step's tokens are ordered: single-token decodes first, then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int                    # row of the first query token in the flat batch
+    q_len: int                      # query tokens of this chunk
+    ctx_len: int                    # keys visible to the last query (cached + new)
+    block_table: torch.Tensor | None  # (num_blocks,) int64; None when ctx_len == q_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor              # (T,) int64 cache slot of each new token
+    num_decode: int                         # rows [0, num_decode) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks) int64, padded with block 0
+    decode_pad_mask: torch.Tensor | None    # (1, Bd, 1, L) bool, True where key pos >= ctx len
+    prefills: list[PrefillSpan]
+
+
+class KVCache:
+    """K and V tensors of one layer."""
+
+    def __init__(self, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v: (T, Hkv, D) written at flat slots (T,)."""
+        hkv, nb, bs, d = self.k.shape
+        self.k.view(hkv, nb * bs, d)[:, slot_mapping] = k.transpose(0, 1)
+        self.v.view(hkv, nb * bs, d)[:, slot_mapping] = v.transpose(0, 1)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def gather(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Hkv, length, D) keys and values of one sequence."""
+        hkv, _, _, d = self.k.shape
+        k = self.k[:, block_table].reshape(hkv, -1, d)[:, :length]
+        v = self.v[:, block_table].reshape(hkv, -1, d)[:, :length]
+        return k, v
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, Hq, D)."""
+    cache.write(k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode
+    if nd:
+        out[:nd] = _decode(q[:nd], cache, meta, scale)
+    for span in meta.prefills:
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], cache, span, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence against its whole padded context, all sequences at once."""
+    bd, hq, d = q.shape
+    hkv, _, bs, _ = cache.k.shape
+    g = hq // hkv
+    tables = meta.decode_block_tables                       # (Bd, nb)
+    k = cache.k[:, tables].view(hkv, bd, -1, d)             # (Hkv, Bd, L, D)
+    v = cache.v[:, tables].view(hkv, bd, -1, d)
+    qh = q.view(bd, hkv, g, d).transpose(0, 1)              # (Hkv, Bd, G, D)
+    scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # (Hkv, Bd, G, L)
+    scores.masked_fill_(meta.decode_pad_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    o = torch.matmul(probs, v)                              # (Hkv, Bd, G, D)
+    return o.transpose(0, 1).reshape(bd, hq, d)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+             span: PrefillSpan, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk's queries over the cached prefix plus the chunk itself."""
+    if span.block_table is None:  # nothing cached before this chunk: attend to itself
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, q_len, D)
+        mask, causal = None, True
+    else:
+        keys, values = cache.gather(span.block_table, span.ctx_len)
+        # Query i sits at absolute position ctx_len - q_len + i and sees keys j <= that.
+        offset = span.ctx_len - span.q_len
+        qpos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
+        mask = torch.arange(span.ctx_len, device=q.device).unsqueeze(0) <= qpos
+        causal = False
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)  # (1, Hq, q_len, D)
+    return o[0].transpose(0, 1)

@@ -1,0 +1,256 @@
+"""LLMEngine: requests in, per-step deltas out. `step()` is schedule -> run -> update.
+
+Single-threaded by design: AsyncOmni drives it from one engine thread; Omni drives it
+directly. Everything a request holds (blocks, detokenizer state) is released when it
+finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from omnistage.llm.block_manager import BlockManager
+from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
+from omnistage.llm.model_runner import ModelRunner, SampledToken
+from omnistage.llm.scheduler import Scheduler
+from omnistage.llm.sequence import SeqIdCounter, Sequence
+from omnistage.models.loader import load_model, read_config
+from omnistage.outputs import Delta, TokenLogprob
+from omnistage.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    emitted: int = 0           # characters of detok.text already returned
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    samples: list[_Sample]
+    hold_chars: int            # text held back while it could still be a stop string's start
+    unfinished: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unfinished = len(self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.torch_device
+        hf_config = read_config(config.model)
+        self.dtype = config.torch_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"))
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self.vocab_size = self.model.config.vocab_size
+        self.max_model_len = self._max_model_len()
+
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
+                                  self.device, self.eos_token_ids, config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = SeqIdCounter()
+        self._arrivals = SeqIdCounter()
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        want = self.config.max_model_len or limit
+        if want > limit:
+            raise InvalidRequestError(
+                f"max_model_len {want} exceeds the model's max_position_embeddings {limit}",
+                param="max_model_len")
+        return want
+
+    def _num_kv_blocks(self) -> int:
+        bs = self.config.block_size
+        layers, kv_heads, head_dim = self.model.kv_shape
+        block_bytes = 2 * layers * kv_heads * head_dim * bs * torch.empty((), dtype=self.dtype).element_size()
+        one_seq = -(-self.max_model_len // bs) + 1   # +1: a copy-on-write spare
+        if self.config.num_kv_blocks is not None:
+            n = self.config.num_kv_blocks
+        else:
+            # Enough for every seat filled to the full context, within the memory cap.
+            full = self.config.max_num_seqs * -(-self.max_model_len // bs) + 1
+            n = min(full, int(self.config.kv_cache_memory_gb * 2**30) // block_bytes)
+        if n < one_seq:
+            raise InvalidRequestError(
+                f"the KV pool ({n} blocks of {bs} tokens) cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens; raise kv_cache_memory_gb / "
+                f"num_kv_blocks to at least {one_seq} blocks or lower max_model_len",
+                param="num_kv_blocks")
+        return n
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt_embeds: torch.Tensor | None = None,
+                    return_hidden_states: bool = False) -> None:
+        """Queue a request. With `prompt_embeds` (P, hidden), those vectors are the model's
+        input at the prompt positions and prompt_token_ids are placeholders (length P)."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if prompt_embeds is not None:
+            if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != self.model.config.hidden_size:
+                raise InvalidRequestError(
+                    f"prompt_embeds must have shape (num_tokens, {self.model.config.hidden_size}), "
+                    f"got {tuple(prompt_embeds.shape)}", param="prompt_embeds")
+            if not prompt_token_ids:
+                prompt_token_ids = [0] * prompt_embeds.shape[0]
+        self._check_prompt(prompt_token_ids, prompt_embeds)
+        samples = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids),
+                           len(prompt_token_ids), params, prompt_embeds=prompt_embeds,
+                           generator=gen, return_hidden_states=return_hidden_states,
+                           arrival=next(self._arrivals))
+            det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            samples.append(_Sample(seq, det))
+        head = samples[0].seq
+        head.fork_children = [s.seq for s in samples[1:]]
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        self.requests[request_id] = _Request(request_id, params, samples, hold)
+        self.scheduler.add(head)
+
+    def _check_prompt(self, ids: list[int], embeds: torch.Tensor | None) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
+                f"which must leave room for at least one generated token; shorten the prompt",
+                param="prompt")
+        if embeds is None and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise InvalidRequestError(
+                f"prompt token ids must lie in [0, {self.vocab_size}); got one outside", param="prompt")
+
+    def abort_request(self, request_id: str) -> list[Delta]:
+        """Stop a request wherever it is and free its blocks. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        out = []
+        for s in req.samples:
+            if not s.seq.is_finished:
+                self.scheduler.finish(s.seq, "abort")
+                out.append(Delta(request_id, s.seq.index, "", [], finished=True,
+                                 finish_reason="abort"))
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[Delta]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.run(plan)
+        self.scheduler.update(plan)
+        deltas = [self._on_token(st, result.hidden_states.pop(st.seq.seq_id, None))
+                  for st in result.sampled]
+        for chunk in plan.chunks:   # prefill chunks that sampled nothing but carry hidden states
+            h = result.hidden_states.pop(chunk.seq.seq_id, None)
+            if h is not None:
+                deltas.append(Delta(chunk.seq.request_id, chunk.seq.index, "", [], hidden_states=h))
+        return deltas
+
+    def _on_token(self, st: SampledToken, hidden: torch.Tensor | None) -> Delta:
+        seq, tok = st.seq, st.token_id
+        req = self.requests[seq.request_id]
+        sample = req.samples[seq.index]
+        seq.token_ids.append(tok)
+        before = len(sample.detok.text)
+        sample.detok.push([tok])
+        text = sample.detok.text
+        reason, stop_reason, end = self._check_stop(seq, tok, text, len(text) - before)
+        if reason is None:
+            end = max(sample.emitted, len(text) - req.hold_chars)
+        delta = Delta(seq.request_id, seq.index, text[sample.emitted:end], [tok],
+                      hidden_states=hidden, num_prompt_tokens=seq.num_prompt_tokens,
+                      num_cached_tokens=seq.num_cached_tokens)
+        sample.emitted = end
+        if st.logprob is not None:
+            delta.logprobs = [TokenLogprob(tok, st.logprob, st.top_logprobs or [])]
+        if reason is not None:
+            delta.finished, delta.finish_reason, delta.stop_reason = True, reason, stop_reason
+            self.scheduler.finish(seq, reason)
+            req.unfinished -= 1
+            if req.unfinished == 0:
+                del self.requests[seq.request_id]
+        return delta
+
+    def _check_stop(self, seq: Sequence, tok: int, text: str, num_new_chars: int):
+        """-> (finish_reason or None, stop_reason, end of the text to keep)."""
+        p = seq.params
+        if p.stop:
+            hit = find_stop(text, num_new_chars, p.stop)
+            if hit is not None:
+                s, idx = hit
+                return "stop", s, idx + (len(s) if p.include_stop_str_in_output else 0)
+        if tok in self.eos_token_ids and not p.ignore_eos:
+            return "stop", None, len(text)
+        if tok in p.stop_token_ids:
+            return "stop", tok, len(text)
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None, len(text)
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None, len(text)
+        return None, None, 0
+
+    # ---- stats ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path} ({e}); the folder needs "
+                             f"tokenizer.json / tokenizer_config.json") from e
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's own."""
+    ids: set[int] = set()
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{gen} is not valid JSON ({e})") from e
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids |= {int(x) for x in eos}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,159 @@
+"""Turns a scheduler plan into flat batch tensors, runs the model over the paged KV caches,
+and samples the next token of every sequence whose chunk reached its end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.llm.attention import AttentionMetadata, KVCache, PrefillSpan
+from omnistage.llm.sampler import Sampler, SamplingBatch
+from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
+from omnistage.llm.sequence import Sequence
+
+
+@dataclass
+class SampledToken:
+    seq: Sequence
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class StepResult:
+    sampled: list[SampledToken]
+    # seq_id -> (num_new_tokens, hidden) final-normed hidden states of the positions
+    # computed this step, for sequences that asked for them.
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        num_layers, num_kv_heads, head_dim = model.kv_shape
+        self.caches = [KVCache(num_kv_heads, num_blocks, block_size, head_dim, dtype, device)
+                       for _ in range(num_layers)]
+        self.eos_token_ids = set(eos_token_ids)
+        self.sampler = Sampler(seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerPlan) -> StepResult:
+        for src, dst in plan.block_copies:
+            for cache in self.caches:
+                cache.copy_block(src, dst)
+        # Single-token chunks first: they share one batched attention call.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        ids, positions, meta, rows = self._prepare(chunks)
+        embeds = self.model.embed(ids)
+        self._overlay_prompt_embeds(chunks, rows, embeds)
+        hidden = self.model(embeds, positions, self.caches, meta)
+
+        result = StepResult(sampled=[])
+        for chunk, (r0, r1) in zip(chunks, rows):
+            if chunk.seq.return_hidden_states:
+                result.hidden_states[chunk.seq.seq_id] = hidden[r0:r1]
+        sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
+        if sample_chunks:
+            result.sampled = self._sample(hidden, sample_chunks)
+        return result
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[tuple[int, int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for c in chunks:
+            seq, start, n = c.seq, c.start, c.num_new_tokens
+            r0 = len(ids)
+            rows.append((r0, r0 + n))
+            ids += seq.token_ids[start:start + n]
+            table = seq.block_table
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            ctx = start + n
+            if n == 1:
+                decode_tables.append(table[:-(-ctx // bs)])
+                decode_lens.append(ctx)
+            else:
+                bt = None if start == 0 else torch.tensor(table[:-(-ctx // bs)], device=self.device)
+                prefills.append(PrefillSpan(r0, n, ctx, bt))
+
+        dev = self.device
+        tables = mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            mask = (torch.arange(width * bs, device=dev).unsqueeze(0) >= lens.unsqueeze(1))
+            mask = mask.view(1, len(decode_lens), 1, width * bs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode=len(decode_tables), decode_block_tables=tables, decode_pad_mask=mask,
+            prefills=prefills)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev),
+                torch.tensor(pos, dtype=torch.int64, device=dev), meta, rows)
+
+    def _overlay_prompt_embeds(self, chunks, rows, embeds: torch.Tensor) -> None:
+        """Positions inside an embeddings prompt take the given vectors, not token embeddings."""
+        for c, (r0, _) in zip(chunks, rows):
+            pe = c.seq.prompt_embeds
+            if pe is None or c.start >= c.seq.num_prompt_tokens:
+                continue
+            end = min(c.start + c.num_new_tokens, c.seq.num_prompt_tokens)
+            embeds[r0:r0 + end - c.start] = pe[c.start:end].to(embeds.device, embeds.dtype)
+
+    # ---- sampling -------------------------------------------------------------------------
+    def _sample(self, hidden: torch.Tensor, sample_chunks) -> list[SampledToken]:
+        last_rows = torch.tensor([r for _, r in sample_chunks], device=self.device)
+        logits = self.model.compute_logits(hidden[last_rows])      # (S, V)
+        seqs: list[Sequence] = []
+        expand: list[int] = []
+        for i, (chunk, _) in enumerate(sample_chunks):
+            for s in [chunk.seq, *chunk.forks]:   # forked samples draw from the same logits
+                seqs.append(s)
+                expand.append(i)
+        if len(expand) != len(sample_chunks):
+            logits = logits[torch.tensor(expand, device=self.device)]
+        out = self.sampler(logits, self._batch(seqs))
+        tokens = out.token_ids.tolist()
+        sampled = [SampledToken(s, t) for s, t in zip(seqs, tokens)]
+        if out.logprobs is not None:
+            lp = out.logprobs.tolist()
+            top_ids, top_lp = out.top_token_ids.tolist(), out.top_logprobs.tolist()
+            for i, st in enumerate(sampled):
+                k = st.seq.params.logprobs
+                if k is not None:
+                    st.logprob = lp[i]
+                    st.top_logprobs = list(zip(top_ids[i][:k], top_lp[i][:k]))
+        return sampled
+
+    def _batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        banned = []
+        for s in seqs:
+            # Forked samples have not appended their first token yet: count from the prompt.
+            if s.num_output_tokens < s.params.min_tokens:
+                banned.append(sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
+            else:
+                banned.append([])
+        return SamplingBatch(
+            params=[s.params for s in seqs],
+            generators=[s.generator for s in seqs],
+            # Token lists cost a copy per row: build them only where penalties read them.
+            prompt_token_ids=[s.prompt_token_ids if s.params.uses_penalties else [] for s in seqs],
+            output_token_ids=[s.output_token_ids if s.params.uses_penalties else [] for s in seqs],
+            banned_token_ids=banned)

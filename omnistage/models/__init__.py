@@ -1,0 +1,26 @@
+"""Model implementations and the table of architectures omnistage serves."""
+
+from __future__ import annotations
+
+import importlib
+
+# config.json "architectures" entry -> "module:Class". One line per supported architecture.
+_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "omnistage.models.qwen2:Qwen2ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def resolve_model_class(architecture: str) -> type:
+    from omnistage.errors import UnsupportedArchitectureError
+
+    target = _ARCHITECTURES.get(architecture)
+    if target is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}")
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,193 @@
+"""Qwen2ForCausalLM (and Qwen2.5 text models) over paged KV caches.
+
+Reads HF checkpoints by name: model.layers.{i}.self_attn.{q,k,v}_proj -> one merged q|k|v
+projection, mlp.{gate,up}_proj -> one merged gate|up projection, all stored transposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.llm.attention import AttentionMetadata, KVCache, paged_attention
+from omnistage.models.layers import RMSNorm, RotaryEmbedding, TransposedLinear
+
+
+@dataclass
+class Qwen2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen2Config":
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported yet (only 'default')")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported yet")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        )
+
+
+class Qwen2Attention(nn.Module):
+    def __init__(self, c: Qwen2Config, dtype: torch.dtype):
+        super().__init__()
+        self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = self.d ** -0.5
+        self.qkv = TransposedLinear(c.hidden_size, [self.hq * self.d, self.hkv * self.d,
+                                                    self.hkv * self.d], bias=True, dtype=dtype)
+        self.o = TransposedLinear(self.hq * self.d, [c.hidden_size], bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split(self.qkv.shard_sizes, dim=-1)
+        q, k = rope(positions, q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d))
+        o = paged_attention(q, k, v.view(t, self.hkv, self.d), cache, meta, self.scale)
+        return self.o(o.reshape(t, self.hq * self.d))
+
+
+class Qwen2MLP(nn.Module):
+    def __init__(self, c: Qwen2Config, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = TransposedLinear(c.hidden_size, [c.intermediate_size] * 2, bias=False, dtype=dtype)
+        self.down = TransposedLinear(c.intermediate_size, [c.hidden_size], bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    def __init__(self, c: Qwen2Config, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Qwen2Attention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = Qwen2MLP(c, dtype)
+
+    def forward(self, h, positions, rope, cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, rope, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """Parameters start on the meta device; the loader materialises and fills them."""
+
+    config_class = Qwen2Config
+
+    def __init__(self, c: Qwen2Config, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Parameter(
+            torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device="meta"), requires_grad=False)
+        self.layers = nn.ModuleList(Qwen2DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        # Tied models keep a transposed copy of the embedding: the lm_head matmul is the
+        # largest single read of a decode step and wants the fast layout.
+        self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype)
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+
+    # ---- the engine-facing interface ------------------------------------------------------
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
+        c = self.config
+        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, hidden)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """(T, hidden) input embeddings -> (T, hidden) final-normed hidden states."""
+        h = inputs_embeds
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, positions, self.rope, cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) -> (S, vocab) float32."""
+        return self.lm_head(hidden).float()
+
+    # ---- loading --------------------------------------------------------------------------
+    _SHARDS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+               "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
+               "down_proj": ("down", 0)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors in; returns the names of our parameters that were filled."""
+        loaded: set[str] = set()
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            if name == "model.embed_tokens.weight":
+                self._copy(self.embed_tokens, w)
+                loaded.add("embed_tokens")
+                if self.config.tie_word_embeddings:
+                    self.lm_head.load_weight(w)
+                    loaded.add("lm_head.weight_t")
+            elif name == "lm_head.weight":
+                self.lm_head.load_weight(w)
+                loaded.add("lm_head.weight_t")
+            elif name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in self._SHARDS:
+                # e.g. "model.layers.3.self_attn", "q_proj", "weight"
+                prefix, proj, kind = name.rsplit(".", 2)
+                ours, shard = self._SHARDS[proj]
+                path = f"{prefix[len('model.'):]}.{ours}"
+                linear = self.get_submodule(path)
+                if kind == "weight":
+                    linear.load_weight(w, shard)
+                    loaded.add(f"{path}.weight_t#{shard}")
+                else:
+                    linear.load_bias(w, shard)
+                    loaded.add(f"{path}.bias#{shard}")
+            elif name.startswith("model.") and name[len("model."):] in params:
+                self._copy(params[name[len("model."):]], w)
+                loaded.add(name[len("model."):])
+            else:
+                raise KeyError(name)
+        return loaded
+
+    def expected_loads(self) -> set[str]:
+        """What load_weights must fill for the model to be complete."""
+        out = {"embed_tokens", "lm_head.weight_t", "norm.weight"}
+        for i in range(self.config.num_hidden_layers):
+            p = f"layers.{i}"
+            out |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
+                    f"{p}.self_attn.o.weight_t#0", f"{p}.mlp.down.weight_t#0"}
+            out |= {f"{p}.self_attn.qkv.{k}#{s}" for k in ("weight_t", "bias") for s in range(3)}
+            out |= {f"{p}.mlp.gate_up.weight_t#{s}" for s in range(2)}
+        return out
+
+    @staticmethod
+    def _copy(param: torch.Tensor, w: torch.Tensor) -> None:
+        if param.shape != w.shape:
+            raise ValueError(f"shape {tuple(w.shape)} does not match the config's {tuple(param.shape)}")
+        param.copy_(w)

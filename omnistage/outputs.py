@@ -1,0 +1,76 @@
+"""What generation returns: per-step deltas (streaming) and whole outputs (offline API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]      # (token id, logprob) alternatives, best first
+
+
+@dataclass
+class Delta:
+    """What one engine step added to one sample of one request."""
+    request_id: str
+    index: int                          # sample index (0..n-1)
+    text: str                           # new text (never a broken UTF-8 character)
+    token_ids: list[int]                # new token ids
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None    # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    hidden_states: torch.Tensor | None = None  # (new positions, hidden) if requested
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One sample's whole output."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    hidden_states: torch.Tensor | None = None  # (prompt + output positions, hidden) if asked
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        if d.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + d.logprobs
+        if d.finished:
+            self.finish_reason, self.stop_reason = d.finish_reason, d.stop_reason
+
+
+@dataclass
+class OmniOutput:
+    """One prompt's result. `.text`/`.token_ids` are those of the first sample."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    audio: np.ndarray | None = None     # float32 waveform, for speech-producing models
+    sample_rate: int | None = None
+    images: list = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)

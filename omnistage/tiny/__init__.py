@@ -1,0 +1,55 @@
+"""Tiny random HF-format checkpoints, built offline, for tests and benchmarks.
+
+Adding an architecture: write `omnistage/tiny/<arch>.py` with a `build(TinyBuildOptions)`
+function and a `TinyArch`, and list it in `TINY_ARCHS` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omnistage.errors import InvalidRequestError
+from omnistage.tiny.qwen2 import QWEN2
+from omnistage.tiny.spec import DEFAULT_MAX_SHARD_SIZE, TinyArch, TinyBuildOptions
+
+TINY_ARCHS: Mapping[str, TinyArch] = {arch.name: arch for arch in (QWEN2,)}
+SUPPORTED_TINY_ARCHS: tuple[str, ...] = tuple(TINY_ARCHS)
+
+
+def build_tiny(
+    arch: str,
+    outdir: str | Path,
+    seed: int = 0,
+    size: str = "tiny",
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write a random `arch` checkpoint of `size` into `outdir`; return the folder's path.
+
+    The same (arch, size, overrides, seed) always writes identical files. `overrides` replaces
+    HF config fields (e.g. {"num_hidden_layers": 3}); `max_shard_size` is passed to
+    `save_pretrained` (checkpoints above it are sharded with an index file).
+    """
+    if arch not in TINY_ARCHS:
+        raise InvalidRequestError(
+            f"unknown tiny architecture {arch!r}; choose one of: {', '.join(SUPPORTED_TINY_ARCHS)}",
+            param="arch",
+        )
+    spec = TINY_ARCHS[arch]
+    if size not in spec.sizes:
+        raise InvalidRequestError(
+            f"unknown size {size!r} for {arch!r}; choose one of: {', '.join(spec.sizes)}", param="size"
+        )
+    path = Path(outdir)
+    spec.build(
+        TinyBuildOptions(
+            outdir=path, seed=seed, size=size, overrides=dict(overrides or {}), max_shard_size=max_shard_size
+        )
+    )
+    return path
+
+
+__all__ = ["SUPPORTED_TINY_ARCHS", "TINY_ARCHS", "TinyArch", "TinyBuildOptions", "build_tiny"]

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random checkpoints, built once per test session by the same code as
+`omnistage tiny`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Two shapes: GQA with tied embeddings (the default tiny), and MHA with untied embeddings,
+# three layers and a different head count.
+TINY_SHAPES = {
+    "gqa": {},
+    "mha": {"hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 6,
+            "num_key_value_heads": 6, "head_dim": 16, "intermediate_size": 160,
+            "tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen2", tmp_path_factory.mktemp("qwen2-gqa"), seed=0, size="tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_mha(tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen2", tmp_path_factory.mktemp("qwen2-mha"), seed=1, size="tiny",
+                          overrides=TINY_SHAPES["mha"]))
+
+
+@pytest.fixture(scope="session", params=list(TINY_SHAPES))
+def tiny_model(request, tiny_qwen2, tiny_qwen2_mha) -> str:
+    """Each test using it runs once per checkpoint shape."""
+    return {"gqa": tiny_qwen2, "mha": tiny_qwen2_mha}[request.param]
