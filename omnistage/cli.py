@@ -34,7 +34,67 @@ def _tiny_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="HF-format model folder, or tiny:ARCH for a built-in tiny model")
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as one user message through the chat template")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 disables (default: -1)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _engine_arguments(parser)
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by every subcommand that loads a model (see EngineConfig)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default: auto: "
+                   "the checkpoint's dtype on GPU, float32 on CPU)")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="per-step token budget for prefill chunks + decodes (default: 2048)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized "
+                   "from --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV pool memory cap (default: 2)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of identical prompt prefixes")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    from omnistage.config import EngineConfig
+
+    return {k: getattr(args, k) for k in EngineConfig.option_names() if hasattr(args, k)}
+
+
+def _generate_run(args: argparse.Namespace) -> int:
+    from omnistage import Omni, SamplingParams
+
+    llm = Omni(args.model, **engine_options(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if args.stream:
+        for delta in llm.stream(prompt, params):
+            print(delta.text, end="", flush=True)
+        print()
+    else:
+        print(llm.generate(prompt, params)[0].text)
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "generate": Subcommand(
+        help="generate text for one prompt and print it",
+        add_arguments=_generate_arguments,
+        run=_generate_run,
+    ),
     "tiny": Subcommand(
         help="build a tiny random HF-format checkpoint (weights, config, tokenizer) offline",
         add_arguments=_tiny_arguments,
@@ -53,11 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from omnistage.errors import InvalidRequestError
+    from omnistage.errors import InvalidRequestError, ModelLoadError
 
     try:
         return SUBCOMMANDS[args.command].run(args)
-    except InvalidRequestError as exc:
+    except (InvalidRequestError, ModelLoadError) as exc:
         # A user mistake: say what to change, no traceback.
         print(f"omnistage {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import torch
+
 from omnistage.config import EngineConfig
 from omnistage.entrypoints.model_source import resolve_model
 from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for, parse_prompt
 from omnistage.errors import InvalidRequestError
 from omnistage.llm.engine import LLMEngine
-from omnistage.outputs import CompletionOutput, OmniOutput
+from omnistage.outputs import CompletionOutput, Delta, OmniOutput
+from omnistage.sampling_params import SamplingParams
 
 
 def engine_config(model: str, options: dict) -> EngineConfig:
@@ -32,35 +37,50 @@ class Omni:
 
     def generate(self, prompts, sampling_params=None, return_hidden_states: bool = False
                  ) -> list[OmniOutput]:
-        """One OmniOutput per prompt, in order. A single prompt still returns a list."""
+        """One OmniOutput per prompt, in order. A single prompt still returns a list.
+        `sampling_params`: None (defaults), one SamplingParams for all, or one per prompt."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         prompts = list(prompts)
-        params = params_for(sampling_params, len(prompts))
-        parsed = [parse_prompt(p, self.engine.tokenizer) for p in prompts]
+        outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states)
+        hidden: dict[tuple[str, int], list[torch.Tensor]] = {}
+        for d in self._drain(outputs):
+            out = outputs[d.request_id]
+            out.outputs[d.index].add(d)
+            out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
+            if d.hidden_states is not None:
+                hidden.setdefault((d.request_id, d.index), []).append(d.hidden_states)
+        for (rid, i), hs in hidden.items():
+            outputs[rid].outputs[i].hidden_states = torch.cat(hs)
+        return list(outputs.values())
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[Delta]:
+        """Deltas of one prompt as the engine makes them."""
+        yield from self._drain(self._add([prompt], params_for(sampling_params, 1), False))
+
+    def _add(self, prompts: list, params: list[SamplingParams], hidden: bool) -> dict[str, OmniOutput]:
+        parsed = [parse_prompt(p, self.engine.tokenizer) for p in prompts]  # all checked first
         outputs: dict[str, OmniOutput] = {}
         try:
             for pp, sp in zip(parsed, params):
                 rid = new_request_id()
                 self.engine.add_request(rid, pp.token_ids, sp, prompt_embeds=pp.embeds,
-                                        return_hidden_states=return_hidden_states)
+                                        return_hidden_states=hidden)
                 outputs[rid] = OmniOutput(rid, pp.text, list(pp.token_ids),
                                           [CompletionOutput(i) for i in range(sp.n)])
-            hidden: dict[tuple[str, int], list] = {}
-            while self.engine.has_unfinished_requests():
-                for d in self.engine.step():
-                    out = outputs[d.request_id]
-                    out.outputs[d.index].add(d)
-                    out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
-                    if d.hidden_states is not None:
-                        hidden.setdefault((d.request_id, d.index), []).append(d.hidden_states)
         except BaseException:
-            for rid in outputs:   # leave the engine clean for the next call
-                self.engine.abort_request(rid)
+            self._abort(outputs)
             raise
-        if return_hidden_states:
-            import torch
+        return outputs
 
-            for (rid, i), hs in hidden.items():
-                outputs[rid].outputs[i].hidden_states = torch.cat(hs)
-        return list(outputs.values())
+    def _drain(self, outputs: dict[str, OmniOutput]) -> Iterator[Delta]:
+        """Step until these requests finish; on any exit before that, abort them."""
+        try:
+            while any(rid in self.engine.requests for rid in outputs):
+                yield from self.engine.step()
+        finally:
+            self._abort(outputs)
+
+    def _abort(self, outputs) -> None:
+        for rid in outputs:   # a no-op for finished requests
+            self.engine.abort_request(rid)

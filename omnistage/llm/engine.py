@@ -186,6 +186,10 @@ class LLMEngine:
         reason, stop_reason, end = self._check_stop(seq, tok, text, len(text) - before)
         if reason is None:
             end = max(sample.emitted, len(text) - req.hold_chars)
+        elif not isinstance(stop_reason, str):   # ended by a token: release held-back bytes
+            sample.detok.flush()
+            text = sample.detok.text
+            end = len(text)
         delta = Delta(seq.request_id, seq.index, text[sample.emitted:end], [tok],
                       hidden_states=hidden, num_prompt_tokens=seq.num_prompt_tokens,
                       num_cached_tokens=seq.num_cached_tokens)
