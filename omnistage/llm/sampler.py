@@ -1,0 +1,310 @@
+"""Turn one step's logits into token ids, row by row, each row with its own SamplingParams.
+
+Pipeline for a batch (each stage is skipped when no row needs it):
+
+  raw logits ──► logprobs: log_softmax of the RAW logits (before bans, penalties, temperature)
+      │
+      ├─ 1. banned ids → -inf          (the engine bans EOS/stop ids until min_tokens is reached)
+      ├─ 2. penalties                  (repetition: HF; presence/frequency: OpenAI)
+      ├─ 3. greedy rows: argmax of the penalised logits
+      └─ 4. other rows: temperature → top_k → top_p → min_p → one exponential-race draw
+
+Determinism: a row is *seeded* iff its generator is not None. A seeded row draws its noise from
+its own generator only, exactly V values per step, so its tokens do not depend on which rows
+share the batch or where it sits. Unseeded rows share one batched draw from the Sampler's own
+generator (one per device).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy (dividing by ~0 would overflow to inf/NaN).
+GREEDY_TEMPERATURE_EPS = 1e-5
+# top_k/top_p first look at this many largest logits per row (topk), then 8x as many, and sort
+# the whole row only when some row's top_p nucleus is longer still. All routes give the same cut.
+SORT_HEAD = 1024
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row settings for one engine step; row i matches logits[i]."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]  # per-request seeded generator (logits' device) or None
+    prompt_token_ids: list[list[int]]         # repetition_penalty: prompt + output count as "seen"
+    output_token_ids: list[list[int]]         # generated so far; presence/frequency count these
+    banned_token_ids: list[list[int]]         # masked to -inf this step (EOS/stop before min_tokens)
+
+    def __post_init__(self) -> None:
+        n = len(self.params)
+        for name in ("generators", "prompt_token_ids", "output_token_ids", "banned_token_ids"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"SamplingBatch.{name} has {len(getattr(self, name))} rows, "
+                                 f"params has {n}")
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class SamplerOutput:
+    """Rows that did not ask for logprobs still get values in the logprob tensors: ignore them."""
+
+    token_ids: torch.Tensor             # (B,) int64 sampled ids
+    logprobs: torch.Tensor | None       # (B,) float32 raw logprob of the sampled token; None: none asked
+    top_logprobs: torch.Tensor | None   # (B, K) float32 descending; K = max requested (may be 0)
+    top_token_ids: torch.Tensor | None  # (B, K) int64; a row that asked k < K uses the first k columns
+
+
+@dataclass
+class _Plan:
+    """What this batch needs, decided on the host from the params alone (no device syncs)."""
+
+    greedy: list[bool]                  # per row: argmax instead of sampling
+    penalty_rows: list[int]             # rows with any non-neutral penalty
+    any_banned: bool
+    logprobs_k: int | None              # max requested logprobs, None if no row asked
+    sample_rows: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sample_rows = [i for i, g in enumerate(self.greedy) if not g]
+
+    @classmethod
+    def of(cls, batch: SamplingBatch) -> _Plan:
+        ks = [p.logprobs for p in batch.params if p.logprobs is not None]
+        return cls(
+            greedy=[p.temperature < GREEDY_TEMPERATURE_EPS for p in batch.params],
+            penalty_rows=[i for i, p in enumerate(batch.params) if p.uses_penalties],
+            any_banned=any(len(b) > 0 for b in batch.banned_token_ids),
+            logprobs_k=max(ks) if ks else None,
+        )
+
+    @property
+    def pure_greedy(self) -> bool:
+        return (not self.sample_rows and not self.penalty_rows and not self.any_banned
+                and self.logprobs_k is None)
+
+
+class Sampler:
+    """Stateless apart from the default generator(s) used for unseeded rows.
+
+    sort_head: how many of a row's largest logits top_k/top_p examine before falling back to a
+    full sort (a speed knob only; results do not depend on it).
+    """
+
+    def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD):
+        self.seed = seed
+        self.sort_head = sort_head
+        self._generators: dict[torch.device, torch.Generator] = {}  # lazily, one per device
+
+    def default_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: (B, V) float32 or bf16. Returns token ids (and logprobs if any row asked)."""
+        if logits.dim() != 2 or logits.shape[0] != len(batch):
+            raise ValueError(f"logits must be (B, V) with B={len(batch)}, got {tuple(logits.shape)}")
+        plan = _Plan.of(batch)
+        if plan.pure_greedy:  # fast path: one argmax (float(): bf16 argmax is slow on CPU)
+            return SamplerOutput(logits.float().argmax(dim=-1), None, None, None)
+
+        raw = logits.float()  # (B, V); aliases `logits` when it is already float32: never edit in place
+        x = raw.clone() if (plan.any_banned or plan.penalty_rows) else raw
+        if plan.any_banned:
+            mask_banned(x, batch.banned_token_ids)
+        if plan.penalty_rows:
+            apply_penalties(x, plan.penalty_rows, batch)
+
+        token_ids = self._choose(x, batch, plan)
+        if plan.logprobs_k is None:
+            return SamplerOutput(token_ids, None, None, None)
+        return _with_logprobs(raw, token_ids, plan.logprobs_k)
+
+    def _choose(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
+        """x: (B, V) float32 processed logits -> (B,) int64 ids (argmax for greedy rows)."""
+        rows = plan.sample_rows
+        if not rows:
+            return x.argmax(dim=-1)
+        if len(rows) == x.shape[0]:
+            return self._sample(x, batch.params, batch.generators)
+        token_ids = x.argmax(dim=-1)  # (B,); sampled rows overwritten below
+        idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+        token_ids[idx] = self._sample(x[idx], [batch.params[i] for i in rows],
+                                      [batch.generators[i] for i in rows])
+        return token_ids
+
+    def _sample(self, x: torch.Tensor, params: list[SamplingParams],
+                gens: list[torch.Generator | None]) -> torch.Tensor:
+        """x: (R, V) penalised logits of non-greedy rows -> (R,) int64 sampled ids."""
+        R, V = x.shape
+        # cfg: (R, 4) = temperature, top_k (V when off), top_p, min_p — one host->device copy.
+        cfg = torch.tensor(
+            [[p.temperature, p.top_k if 0 < p.top_k < V else V, p.top_p, p.min_p] for p in params],
+            dtype=torch.float32, device=x.device)
+        x = x / cfg[:, 0:1]  # new tensor: safe to edit in place from here on
+        k_max = max((p.top_k for p in params if 0 < p.top_k < V), default=0)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        if k_max or use_top_p or use_min_p:
+            keep_from = filter_threshold(x, cfg[:, 1].long(), cfg[:, 2], cfg[:, 3], k_max=k_max,
+                                         use_top_p=use_top_p, use_min_p=use_min_p, head=self.sort_head)
+            x.masked_fill_(x < keep_from, -math.inf)
+        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
+        # In log space: argmax_i x_i - log E_i (softmax's normaliser is constant per row).
+        log_e = self._log_exponential(R, V, gens, x.device)  # (R, V)
+        return x.sub_(log_e).argmax(dim=-1)
+
+    def _log_exponential(self, R: int, V: int, gens: list[torch.Generator | None],
+                         device: torch.device) -> torch.Tensor:
+        """(R, V) log E with E ~ Exp(1) i.i.d. A seeded row draws V uniforms from its own
+        generator only and transforms them on its own (V,) tensor, so its noise is bit-identical
+        whatever the batch (SIMD body/scalar tail splits depend on the tensor's size)."""
+        seeded = [i for i, g in enumerate(gens) if g is not None]
+        default = self.default_generator(device)
+        if not seeded:
+            return _log_exp_noise(torch.empty(R, V, device=device).uniform_(generator=default))
+        log_e = torch.empty(R, V, dtype=torch.float32, device=device)
+        free = [i for i, g in enumerate(gens) if g is None]
+        if free:
+            u = torch.empty(len(free), V, device=device).uniform_(generator=default)
+            log_e[torch.tensor(free, dtype=torch.long, device=device)] = _log_exp_noise(u)
+        for i in seeded:  # per-row loop only for the draw itself
+            log_e[i] = _log_exp_noise(torch.empty(V, device=device).uniform_(generator=gens[i]))
+        return log_e
+
+
+def _log_exp_noise(u: torch.Tensor) -> torch.Tensor:
+    """In place: U ~ U[0, 1) -> log E, E = -log U ~ Exp(1) (inverse CDF; ~4x cheaper on CPU
+    than exponential_()). U = 0 gives E = inf: that token loses (probability 2^-24). Clamping
+    E > 0 keeps log E finite, so a -inf (filtered) logit never becomes NaN or +inf."""
+    return u.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny).log_()
+
+
+def mask_banned(x: torch.Tensor, banned: list[list[int]]) -> None:
+    """In place: x[i, t] = -inf for every t in banned[i]. Out-of-vocab ids are ignored.
+
+    At least one token per row must stay unbanned (else the row's distribution is empty).
+    """
+    V = x.shape[1]
+    rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < V]
+    cols = [t for ids in banned for t in ids if 0 <= t < V]
+    if rows:
+        r = torch.tensor(rows, dtype=torch.long, device=x.device)
+        c = torch.tensor(cols, dtype=torch.long, device=x.device)
+        x[r, c] = -math.inf
+
+
+def apply_penalties(x: torch.Tensor, rows: list[int], batch: SamplingBatch) -> None:
+    """In place on x (B, V) float32, only for `rows`.
+
+    repetition_penalty r (HF): for every token seen in prompt or output, a logit l becomes
+      l / r if l > 0 else l * r.
+    presence p / frequency f (OpenAI), applied after: l -= f * count + p * (count > 0), where
+      count is the token's number of occurrences in the OUTPUT so far.
+    """
+    V = x.shape[1]
+    dev = x.device
+    params = [batch.params[i] for i in rows]
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    pen = torch.tensor(  # (R, 3)
+        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
+        dtype=torch.float32, device=dev)
+    sub = x[idx]  # (R, V) copy
+    out = _padded([batch.output_token_ids[i] for i in rows], V, dev)  # (R, Lo), pad id V
+    counts = torch.zeros(len(rows), V + 1, dtype=torch.float32, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
+    counts = counts[:, :V]  # (R, V) output occurrences; the pad column dropped
+    if any(p.repetition_penalty != 1.0 for p in params):
+        prompt = _padded([batch.prompt_token_ids[i] for i in rows], V, dev)  # (R, Lp)
+        seen = torch.zeros(len(rows), V + 1, dtype=torch.bool, device=dev).scatter_(1, prompt, True)
+        seen = seen[:, :V] | (counts > 0)
+        r = pen[:, 0:1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        sub = sub - pen[:, 2:3] * counts - pen[:, 1:2] * (counts > 0).float()
+    x[idx] = sub
+
+
+def filter_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor, *, k_max: int, use_top_p: bool, use_min_p: bool,
+                     head: int = SORT_HEAD) -> torch.Tensor:
+    """Per-row logit threshold (R, 1): tokens with x >= threshold stay, the rest are dropped.
+
+    x: (R, V) tempered logits; top_k: (R,) int64 in [1, V] (V = off); top_p, min_p: (R,) float.
+    k_max: the largest enabled top_k (0 if none). Definitions, applied in this order, each on
+    the distribution left by the previous one:
+      top_k: keep tokens whose logit >= the k-th largest logit (ties with it are all kept).
+      top_p: sort the kept tokens by probability, descending; keep the shortest prefix whose
+             cumulative probability >= top_p, plus every token tied with the prefix's last one.
+             top_p == 1 keeps everything.
+      min_p: keep tokens with p >= min_p * max p (a ratio, so renormalisation does not move it;
+             in logits: x >= max x + log(min_p)). The top token always survives all three.
+    Ties are thus always all-in or all-out, whatever order sort() puts them in.
+    """
+    R, V = x.shape
+    threshold = torch.full((R, 1), -math.inf, dtype=x.dtype, device=x.device)
+    if k_max or use_top_p:
+        m = min(V, max(k_max, head if use_top_p else 1))  # top_k alone needs only k_max values
+        threshold = _top_k_top_p_threshold(x, top_k, top_p, m=m, use_top_k=k_max > 0)
+    if use_min_p:
+        t_m = x.amax(dim=-1, keepdim=True) + min_p[:, None].log()  # log(0) = -inf: off
+        threshold = torch.maximum(threshold, t_m)
+    return threshold
+
+
+def _top_k_top_p_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
+                           m: int, use_top_k: bool) -> torch.Tensor:
+    """(R, 1) cut for top_k then top_p, found in the m largest logits of each row (m >= k_max).
+
+    If some row's top_p nucleus does not end within its m largest, retry with 8x as many
+    (topk), then with the full sort.
+    The cut is the same whichever route: the head's values are the sorted row's first m values, and
+    the cumulative sum of a prefix does not depend on what follows it. (Only exp() may differ
+    in the last bit between SIMD body and scalar tail, which matters only when a cumulative
+    sum lands within one ulp of top_p.)
+    """
+    V = x.shape[1]
+    ninf = torch.tensor(-math.inf, dtype=x.dtype, device=x.device)
+    while True:
+        full = 2 * m >= V  # a topk this large costs about as much as sorting
+        s = x.sort(dim=-1, descending=True).values if full else x.topk(m, dim=-1).values  # (R, m)
+        m = s.shape[1]
+        k_on = (top_k < V)[:, None]                                   # (R, 1) rows using top_k
+        t_k = torch.where(k_on, s.gather(1, (top_k.clamp(max=m) - 1)[:, None]), ninf)  # k-th largest
+        kept = torch.where(x >= t_k, x, ninf) if use_top_k else x
+        lse = kept.logsumexp(dim=-1, keepdim=True)                    # (R, 1) top-k set's normaliser
+        cum = (s - lse).exp_().masked_fill_(s < t_k, 0.0).cumsum_(dim=-1)    # (R, m) cumulative probs
+        if full or not bool(((cum[:, -1] < top_p) & (top_p < 1.0)).any()):  # one host sync
+            break
+        m = min(V, 8 * m)
+    # Position j > 0 stays iff the mass strictly before it is < top_p; position 0 always.
+    n_keep = (cum[:, :-1] < top_p[:, None]).sum(dim=-1, keepdim=True) + 1   # (R, 1) in [1, m]
+    # Rounding can make the cumsum reach 1.0 early: top_p == 1 must keep everything.
+    t_p = torch.where(top_p[:, None] < 1.0, s.gather(1, n_keep - 1), ninf)
+    return torch.maximum(t_k, t_p)
+
+
+def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    """Logprobs of the RAW distribution (log_softmax of the unprocessed logits), as vLLM's default."""
+    lp = torch.log_softmax(raw, dim=-1)  # (B, V) float32
+    top = lp.topk(k, dim=-1, sorted=True)  # (B, K); k == 0 gives (B, 0)
+    chosen = lp.gather(1, token_ids[:, None]).squeeze(1)
+    return SamplerOutput(token_ids, chosen, top.values, top.indices)
+
+
+def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """(R, L) int64, rows right-padded with `pad` (L >= 1); ids outside [0, pad) also become pad."""
+    width = max(1, max(len(s) for s in seqs))
+    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
+    t = torch.tensor(rows, dtype=torch.long, device=device)
+    return torch.where((t < 0) | (t > pad), torch.full_like(t, pad), t)

@@ -1,0 +1,153 @@
+"""Engine behaviour on a tiny model: seeds, n samples, stops, penalties, logprobs,
+embeddings in and hidden states out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from omnistage import Omni, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen2):
+    return Omni(tiny_qwen2, block_size=4)
+
+
+def _ids(n: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"prompt_token_ids": torch.randint(0, 500, (n,), generator=g).tolist()}
+
+
+def test_seeded_sample_is_batch_independent(llm):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=42, max_tokens=30, ignore_eos=True)
+    alone = llm.generate(_ids(20, 0), params)[0].token_ids
+    others = []
+    for i in range(16):  # seeded, unseeded, greedy and filtered neighbours
+        kind = i % 4
+        others.append(SamplingParams(
+            temperature=0.0 if kind == 0 else 1.2, seed=None if kind == 1 else 1000 + i,
+            top_k=5 if kind == 3 else -1, min_p=0.05 if kind == 2 else 0.0,
+            max_tokens=10 + 3 * i, ignore_eos=True))
+    prompts = [_ids(5 + 7 * i, 100 + i) for i in range(16)]
+    mixed = llm.generate(prompts[:7] + [_ids(20, 0)] + prompts[7:], others[:7] + [params] + others[7:])
+    assert mixed[7].token_ids == alone
+    other_seed = llm.generate(_ids(20, 0), SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=43,
+                                                          max_tokens=30, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_n_samples_share_the_prompt_blocks(llm):
+    engine = llm.engine
+    prompt = _ids(37, 5)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    stream = llm.stream(prompt, params)
+    first = [next(stream) for _ in range(4)]   # the step that prefilled and forked
+    assert sorted(d.index for d in first) == [0, 1, 2, 3]
+    seqs = [s.seq for s in engine.requests[first[0].request_id].samples]
+    shared = set(seqs[0].block_table[:9])      # 36 prompt tokens fill 9 blocks of 4
+    for s in seqs[1:]:
+        assert set(s.block_table[:9]) == shared
+    assert all(engine.block_manager.blocks[b].ref_count == 4 for b in shared)
+    rest = list(stream)
+    assert engine.num_free_blocks == engine.num_blocks
+    outs = llm.generate(prompt, params)[0].outputs
+    assert len(outs) == 4 and all(len(o.token_ids) == 12 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) > 1      # different seeds per sample
+    assert len(first) + len(rest) == 4 * 12
+    greedy = llm.generate(prompt, SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert len({tuple(o.token_ids) for o in greedy.outputs}) == 1
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    prompt = _ids(11, 9)
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    text = base.text
+    stop = text[10:13]
+    assert len(stop) == 3 and stop in text
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert cut.text == text[:text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                               include_stop_str_in_output=True))[0]
+    assert kept.text == text[:text.index(stop) + 3]
+    # Streaming never shows text past the stop string.
+    streamed = "".join(d.text for d in llm.stream(prompt, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])))
+    assert streamed == cut.text
+
+    tok = base.token_ids[5]
+    first = base.token_ids.index(tok)
+    by_id = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                stop_token_ids=[tok]))[0]
+    assert by_id.token_ids == base.token_ids[:first + 1]
+    assert by_id.outputs[0].stop_reason == tok
+    # min_tokens bans the stop id until enough tokens exist.
+    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                               stop_token_ids=[tok], min_tokens=first + 2))[0]
+    assert len(late.token_ids) >= first + 2 and tok not in late.token_ids[:first + 2]
+
+
+def test_length_limits(llm, tiny_qwen2):
+    out = llm.generate(_ids(8, 1), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert len(out.token_ids) == 7 and out.outputs[0].finish_reason == "length"
+    short = Omni(tiny_qwen2, max_model_len=32)
+    out = short.generate(_ids(20, 1), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12 and out.outputs[0].finish_reason == "length"
+
+
+def test_repetition_penalty_matches_transformers(tiny_qwen2):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    llm = Omni(tiny_qwen2)
+    never = hf.config.vocab_size
+    for n, seed in ((9, 3), (40, 4)):
+        p = _ids(n, seed)["prompt_token_ids"]
+        x = torch.tensor([p])
+        cfg = GenerationConfig(max_new_tokens=20, do_sample=False, repetition_penalty=1.7,
+                               eos_token_id=never, pad_token_id=never)
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)[0, n:].tolist()
+        ours = llm.generate({"prompt_token_ids": p}, SamplingParams(
+            temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.7))[0].token_ids
+        assert ours == ref
+
+
+def test_logprobs_are_raw_model_logprobs(llm):
+    p = _ids(15, 2)
+    out = llm.generate(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                       return_hidden_states=True)[0]
+    lps = out.outputs[0].logprobs
+    hidden = out.outputs[0].hidden_states
+    assert len(lps) == 6 and hidden.shape[0] == 15 + 5
+    for i, lp in enumerate(lps):
+        logits = llm.engine.model.compute_logits(hidden[14 + i:15 + i])[0]
+        ref = torch.log_softmax(logits, -1)
+        assert lp.token_id == out.token_ids[i] == lp.top[0][0]      # greedy: the best token
+        assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_prompt_embeds_equal_token_ids(llm):
+    p = _ids(23, 8)["prompt_token_ids"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    by_ids = llm.generate({"prompt_token_ids": p}, params)[0].token_ids
+    embeds = llm.engine.model.embed(torch.tensor(p)).clone()
+    by_embeds = llm.generate({"prompt_embeds": embeds}, params)[0].token_ids
+    assert by_embeds == by_ids
+
+
+def test_streamed_text_equals_final_text(llm):
+    for seed in range(3):
+        prompt = _ids(10, 50 + seed)
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=50, ignore_eos=True)
+        streamed = "".join(d.text for d in llm.stream(prompt, params))
+        final = llm.generate(prompt, params)[0]
+        assert streamed == final.text
+        assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+
+
+def test_chat_prompt_uses_template(llm):
+    msgs = [{"role": "user", "content": "Say something."}]
+    out = llm.generate(msgs, SamplingParams(temperature=0, max_tokens=4))[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
