@@ -25,11 +25,17 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token decodes of similar context length, attended to in one batched call."""
+    row_start: int                  # rows [row_start, row_start + B) of the flat batch
+    block_tables: torch.Tensor      # (B, max_blocks) int64, padded with block 0
+    pad_mask: torch.Tensor          # (1, B, 1, L) bool, True where key pos >= context length
+
+
+@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor              # (T,) int64 cache slot of each new token
-    num_decode: int                         # rows [0, num_decode) are single-token decodes
-    decode_block_tables: torch.Tensor | None  # (Bd, max_blocks) int64, padded with block 0
-    decode_pad_mask: torch.Tensor | None    # (1, Bd, 1, L) bool, True where key pos >= ctx len
+    slot_mapping: torch.Tensor      # (T,) int64 cache slot of each new token
+    decodes: list[DecodeGroup]      # cover rows [0, num_decode), shortest contexts first
     prefills: list[PrefillSpan]
 
 
@@ -65,26 +71,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, Hq, D)."""
     cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    nd = meta.num_decode
-    if nd:
-        out[:nd] = _decode(q[:nd], cache, meta, scale)
+    for group in meta.decodes:
+        rows = slice(group.row_start, group.row_start + group.block_tables.shape[0])
+        out[rows] = _decode(q[rows], cache, group, scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         out[rows] = _prefill(q[rows], k[rows], v[rows], cache, span, scale)
     return out
 
 
-def _decode(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence against its whole padded context, all sequences at once."""
+def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+    """One query per sequence against its whole padded context, the group's sequences at
+    once. The gather copies every context: grouping by length keeps padding small."""
     bd, hq, d = q.shape
-    hkv, _, bs, _ = cache.k.shape
+    hkv = cache.k.shape[0]
     g = hq // hkv
-    tables = meta.decode_block_tables                       # (Bd, nb)
+    tables = group.block_tables                             # (Bd, nb)
     k = cache.k[:, tables].view(hkv, bd, -1, d)             # (Hkv, Bd, L, D)
     v = cache.v[:, tables].view(hkv, bd, -1, d)
     qh = q.view(bd, hkv, g, d).transpose(0, 1)              # (Hkv, Bd, G, D)
     scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # (Hkv, Bd, G, L)
-    scores.masked_fill_(meta.decode_pad_mask, float("-inf"))
+    scores.masked_fill_(group.pad_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     o = torch.matmul(probs, v)                              # (Hkv, Bd, G, D)
     return o.transpose(0, 1).reshape(bd, hq, d)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.llm.attention import AttentionMetadata, KVCache, PrefillSpan
+from omnistage.llm.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
@@ -50,8 +50,9 @@ class ModelRunner:
         for src, dst in plan.block_copies:
             for cache in self.caches:
                 cache.copy_block(src, dst)
-        # Single-token chunks first: they share one batched attention call.
-        chunks = sorted(plan.chunks, key=lambda c: c.num_new_tokens != 1)
+        # Single-token chunks first, shortest context first: neighbours share batched
+        # attention calls with little padding.
+        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.start))
         ids, positions, meta, rows = self._prepare(chunks)
         embeds = self.model.embed(ids)
         self._overlay_prompt_embeds(chunks, rows, embeds)
@@ -68,13 +69,14 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]):
-        bs = self.block_size
+        """Flat inputs for `chunks`, which must list single-token decodes first, ordered by
+        context length (see run)."""
+        bs, dev = self.block_size, self.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         rows: list[tuple[int, int]] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         for c in chunks:
             seq, start, n = c.seq, c.start, c.num_new_tokens
@@ -85,28 +87,37 @@ class ModelRunner:
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-            ctx = start + n
+            ctx_blocks = table[:-(-(start + n) // bs)]
             if n == 1:
-                decode_tables.append(table[:-(-ctx // bs)])
-                decode_lens.append(ctx)
+                decode_tables.append(ctx_blocks)
             else:
-                bt = None if start == 0 else torch.tensor(table[:-(-ctx // bs)], device=self.device)
-                prefills.append(PrefillSpan(r0, n, ctx, bt))
-
-        dev = self.device
-        tables = mask = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            mask = (torch.arange(width * bs, device=dev).unsqueeze(0) >= lens.unsqueeze(1))
-            mask = mask.view(1, len(decode_lens), 1, width * bs)
+                bt = None if start == 0 else torch.tensor(ctx_blocks, device=dev)
+                prefills.append(PrefillSpan(r0, n, start + n, bt))
+        lens = [pos[r0] + 1 for r0, _ in rows[:len(decode_tables)]]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode=len(decode_tables), decode_block_tables=tables, decode_pad_mask=mask,
-            prefills=prefills)
+            decodes=self._decode_groups(decode_tables, lens), prefills=prefills)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta, rows)
+
+    def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Split decodes (sorted by length) into groups whose padding wastes little: a group
+        grows while its padded size stays within 1/0.8 of its real size."""
+        groups, start = [], 0
+        while start < len(tables):
+            end = start + 1
+            while end < len(tables) and sum(lens[start:end + 1]) >= 0.8 * (end + 1 - start) * lens[end]:
+                end += 1
+            groups.append(self._decode_group(start, tables[start:end], lens[start:end]))
+            start = end
+        return groups
+
+    def _decode_group(self, row_start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        dev, width = self.device, max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        key_pos = torch.arange(width * self.block_size, device=dev).unsqueeze(0)
+        mask = key_pos >= torch.tensor(lens, device=dev).unsqueeze(1)
+        return DecodeGroup(row_start, bt, mask.view(1, len(lens), 1, -1))
 
     def _overlay_prompt_embeds(self, chunks, rows, embeds: torch.Tensor) -> None:
         """Positions inside an embeddings prompt take the given vectors, not token embeddings."""
