@@ -61,8 +61,8 @@ class KVCache:
     def gather(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(Hkv, length, D) keys and values of one sequence."""
         hkv, _, _, d = self.k.shape
-        k = self.k[:, block_table].reshape(hkv, -1, d)[:, :length]
-        v = self.v[:, block_table].reshape(hkv, -1, d)[:, :length]
+        k = self.k.index_select(1, block_table).view(hkv, -1, d)[:, :length]
+        v = self.v.index_select(1, block_table).view(hkv, -1, d)[:, :length]
         return k, v
 
 
@@ -87,8 +87,9 @@ def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float) -
     hkv = cache.k.shape[0]
     g = hq // hkv
     tables = group.block_tables                             # (Bd, nb)
-    k = cache.k[:, tables].view(hkv, bd, -1, d)             # (Hkv, Bd, L, D)
-    v = cache.v[:, tables].view(hkv, bd, -1, d)
+    flat = tables.flatten()                                 # index_select beats [:, tables]
+    k = cache.k.index_select(1, flat).view(hkv, bd, -1, d)  # (Hkv, Bd, L, D)
+    v = cache.v.index_select(1, flat).view(hkv, bd, -1, d)
     qh = q.view(bd, hkv, g, d).transpose(0, 1)              # (Hkv, Bd, G, D)
     scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # (Hkv, Bd, G, L)
     scores.masked_fill_(group.pad_mask, float("-inf"))

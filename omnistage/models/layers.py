@@ -75,12 +75,12 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, Hq, D), k: (T, Hkv, D), positions: (T,)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, H, D) heads to rotate (queries and keys may come in one tensor),
+        positions: (T,)."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -66,10 +66,13 @@ class Qwen2Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv(x).split(self.qkv.shard_sizes, dim=-1)
-        q, k = rope(positions, q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d))
-        o = paged_attention(q, k, v.view(t, self.hkv, self.d), cache, meta, self.scale)
+        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
+        qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
+        # q and k sit side by side in each row: rotate them in one go.
+        qk = rope(positions, qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d))
+        q, k = qk.split([hq, hkv], dim=1)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+        o = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o(o.reshape(t, self.hq * self.d))
 
 
