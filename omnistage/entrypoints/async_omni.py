@@ -70,6 +70,7 @@ class AsyncOmni:
             while remaining:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    remaining = 0   # never added, or already failed: nothing to abort
                     raise item
                 if item.finished:
                     remaining -= 1
@@ -105,6 +106,11 @@ class AsyncOmni:
                 _post(stream.loop, stream.queue.put_nowait, e)
 
         with self._cv:
+            if self._stopping or self.dead is not None:   # no engine thread left to run it
+                if stream is not None:
+                    _post(stream.loop, stream.queue.put_nowait,
+                          EngineDeadError("the engine was shut down; create a new AsyncOmni"))
+                return
             self._commands.append(guarded)
             self._cv.notify()
 
@@ -134,13 +140,17 @@ class AsyncOmni:
 
     def _dispatch(self, deltas: list[Delta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delta]]] = {}
+        finished: set[str] = set()
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is None:
                 continue
             by_loop.setdefault(stream.loop, []).append((stream.queue, d))
-            if d.finished and d.request_id not in self.engine.requests:
-                self._streams.pop(d.request_id, None)
+            if d.finished:
+                finished.add(d.request_id)
+        # Only after the loop: the other samples' final deltas of this step still need it.
+        for rid in finished - self.engine.requests.keys():
+            self._streams.pop(rid, None)
         for loop, items in by_loop.items():   # one wake-up per event loop per step
             _post(loop, _put_all, items)
 

@@ -41,6 +41,10 @@ class Omni:
         `sampling_params`: None (defaults), one SamplingParams for all, or one per prompt."""
         if is_single_prompt(prompts):
             prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompts must be one prompt (a string, a dict or a chat message list) or a list "
+                f"of prompts, got {type(prompts).__name__}", param="prompt")
         prompts = list(prompts)
         outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states)
         hidden: dict[tuple[str, int], list[torch.Tensor]] = {}

@@ -68,6 +68,17 @@ def _chat(messages: list, tokenizer) -> ParsedPrompt:
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise InvalidRequestError(f"message {i} has unknown role {m['role']!r}",
                                       param=f"messages[{i}].role")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequestError(
+                f"message {i} content must be a string or a list of content parts, "
+                f"got {type(content).__name__}", param=f"messages[{i}].content")
+        for part in content if isinstance(content, list) else []:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError(
+                    f"message {i} has a content part of type {kind!r}; this model takes text only",
+                    param=f"messages[{i}].content")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return ParsedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 

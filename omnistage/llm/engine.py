@@ -149,12 +149,12 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
+        # Collect first: finishing sample 0 before it forked also finishes samples 1..n-1.
+        pending = [s for s in req.samples if not s.seq.is_finished]
         out = []
-        for s in req.samples:
-            if not s.seq.is_finished:
-                self.scheduler.finish(s.seq, "abort")
-                out.append(Delta(request_id, s.seq.index, "", [], finished=True,
-                                 finish_reason="abort"))
+        for s in pending:
+            self.scheduler.finish(s.seq, "abort")
+            out.append(Delta(request_id, s.seq.index, "", [], finished=True, finish_reason="abort"))
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -236,10 +236,14 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path} ({e}); the folder needs "
                              f"tokenizer.json / tokenizer_config.json") from e
+    if len(tokenizer) < 2:  # transformers builds an empty one when the files are missing
+        raise ModelLoadError(f"no tokenizer vocabulary in {path}; the folder needs "
+                             f"tokenizer.json / tokenizer_config.json (or pass tokenizer=FOLDER)")
+    return tokenizer
 
 
 def eos_token_ids(model_dir: str, tokenizer) -> set[int]:

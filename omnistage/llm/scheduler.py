@@ -105,7 +105,9 @@ class Scheduler:
         return ScheduledChunk(seq, seq.num_computed_tokens, n, sample, forks)
 
     def _seat_for(self, seq: Sequence) -> bool:
-        return len(self.running) + 1 + len(seq.fork_children) <= self.max_num_seqs
+        # A running parent still holds seats for the children that fork off its last chunk.
+        taken = sum(1 + len(s.fork_children) for s in self.running)
+        return taken + 1 + len(seq.fork_children) <= self.max_num_seqs
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
