@@ -21,6 +21,7 @@ from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
 from omnistage.llm.model_runner import ModelRunner, SampledToken
 from omnistage.llm.scheduler import Scheduler
 from omnistage.llm.sequence import SeqIdCounter, Sequence
+from omnistage.models.layers import onednn_linear_available, pack_linears
 from omnistage.models.loader import load_model, read_config
 from omnistage.outputs import Delta, TokenLogprob
 from omnistage.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class LLMEngine:
         hf_config = read_config(config.model)
         self.dtype = config.torch_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"))
         self.model = load_model(config.model, self.dtype, self.device)
+        self.linear_kernel = self._pack_linears()
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = self.model.config.vocab_size
@@ -69,6 +71,19 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = SeqIdCounter()
         self._arrivals = SeqIdCounter()
+
+    def _pack_linears(self) -> str:
+        """Choose the linear kernel: oneDNN's packed GEMM where it serves, else matmul."""
+        want = self.config.linear_kernel
+        available = onednn_linear_available(self.device, self.dtype)
+        if want == "onednn" and not available:
+            raise InvalidRequestError(
+                "linear_kernel=onednn needs float32 on a CPU with a oneDNN-enabled torch build; "
+                "use auto or matmul", param="linear_kernel")
+        if want == "matmul" or not available:
+            return "matmul"
+        pack_linears(self.model)
+        return "onednn"
 
     # ---- sizing ---------------------------------------------------------------------------
     def _max_model_len(self) -> int:
