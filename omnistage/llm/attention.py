@@ -1,8 +1,8 @@
 """Attention over paged KV caches in plain PyTorch (CPU and CUDA alike).
 
-Cache layout per layer: (num_kv_heads, num_blocks, block_size, head_dim), so gathering a
-batch of block tables yields (Hkv, B, L, D) contiguously, ready for a batched matmul with no
-transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
+Cache layout per layer: (2, num_kv_heads, num_blocks, block_size, head_dim) for K and V, so
+one gather of a batch of block tables yields (2, Hkv, B, L, D) contiguously, ready for batched
+matmuls with no transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
 offset) before attention reads them.
 
 One step's tokens are ordered: single-token decodes first, then prefill chunks.
@@ -28,8 +28,9 @@ class PrefillSpan:
 class DecodeGroup:
     """Single-token decodes of similar context length, attended to in one batched call."""
     row_start: int                  # rows [row_start, row_start + B) of the flat batch
-    block_tables: torch.Tensor      # (B, max_blocks) int64, padded with block 0
-    pad_mask: torch.Tensor          # (1, B, 1, L) bool, True where key pos >= context length
+    block_tables: torch.Tensor      # (B * max_blocks,) int64 flattened tables, padded with block 0
+    bias: torch.Tensor              # (Hkv * B, 1, L) additive mask: 0, or -inf past the context
+    size: int                       # B
 
 
 @dataclass
@@ -40,30 +41,30 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """K and V tensors of one layer."""
+    """K and V of one layer in one tensor (2, Hkv, num_blocks, block_size, D), so a single
+    gather serves both."""
 
     def __init__(self, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((2, num_kv_heads, num_blocks, block_size, head_dim),
+                              dtype=dtype, device=device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """k, v: (T, Hkv, D) written at flat slots (T,)."""
-        hkv, nb, bs, d = self.k.shape
-        self.k.view(hkv, nb * bs, d)[:, slot_mapping] = k.transpose(0, 1)
-        self.v.view(hkv, nb * bs, d)[:, slot_mapping] = v.transpose(0, 1)
+        _, hkv, nb, bs, d = self.kv.shape
+        flat = self.kv.view(2, hkv, nb * bs, d)
+        flat[0, :, slot_mapping] = k.transpose(0, 1)
+        flat[1, :, slot_mapping] = v.transpose(0, 1)
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
-    def gather(self, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Hkv, length, D) keys and values of one sequence."""
-        hkv, _, _, d = self.k.shape
-        k = self.k.index_select(1, block_table).view(hkv, -1, d)[:, :length]
-        v = self.v.index_select(1, block_table).view(hkv, -1, d)[:, :length]
-        return k, v
+    def gather(self, flat_tables: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `batch` sequences whose padded block tables are concatenated in
+        flat_tables: each (Hkv, batch, L, D)."""
+        _, hkv, _, _, d = self.kv.shape
+        kv = self.kv.index_select(2, flat_tables).view(2, hkv, batch, -1, d)
+        return kv[0], kv[1]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -72,7 +73,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     cache.write(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     for group in meta.decodes:
-        rows = slice(group.row_start, group.row_start + group.block_tables.shape[0])
+        rows = slice(group.row_start, group.row_start + group.size)
         out[rows] = _decode(q[rows], cache, group, scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
@@ -84,18 +85,16 @@ def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float) -
     """One query per sequence against its whole padded context, the group's sequences at
     once. The gather copies every context: grouping by length keeps padding small."""
     bd, hq, d = q.shape
-    hkv = cache.k.shape[0]
+    hkv = cache.kv.shape[1]
     g = hq // hkv
-    tables = group.block_tables                             # (Bd, nb)
-    flat = tables.flatten()                                 # index_select beats [:, tables]
-    k = cache.k.index_select(1, flat).view(hkv, bd, -1, d)  # (Hkv, Bd, L, D)
-    v = cache.v.index_select(1, flat).view(hkv, bd, -1, d)
-    qh = q.view(bd, hkv, g, d).transpose(0, 1)              # (Hkv, Bd, G, D)
-    scores = torch.matmul(qh, k.transpose(-1, -2)) * scale  # (Hkv, Bd, G, L)
-    scores.masked_fill_(group.pad_mask, float("-inf"))
+    k, v = cache.gather(group.block_tables, bd)                 # (Hkv, Bd, L, D) each
+    qh = q.view(bd, hkv, g, d).transpose(0, 1).reshape(hkv * bd, g, d)
+    k = k.reshape(hkv * bd, -1, d)
+    # scale * q.k + (0 | -inf): one fused call.
+    scores = torch.baddbmm(group.bias, qh, k.transpose(1, 2), alpha=scale)  # (Hkv Bd, G, L)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    o = torch.matmul(probs, v)                              # (Hkv, Bd, G, D)
-    return o.transpose(0, 1).reshape(bd, hq, d)
+    o = torch.bmm(probs, v.reshape(hkv * bd, -1, d))            # (Hkv Bd, G, D)
+    return o.view(hkv, bd, g, d).transpose(0, 1).reshape(bd, hq, d)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -105,7 +104,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, q_len, D)
         mask, causal = None, True
     else:
-        keys, values = cache.gather(span.block_table, span.ctx_len)
+        keys, values = cache.gather(span.block_table, 1)
+        keys, values = keys[:, 0, :span.ctx_len], values[:, 0, :span.ctx_len]
         # Query i sits at absolute position ctx_len - q_len + i and sees keys j <= that.
         offset = span.ctx_len - span.q_len
         qpos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset

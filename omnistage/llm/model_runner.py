@@ -38,12 +38,13 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = model.kv_shape
         self.caches = [KVCache(num_kv_heads, num_blocks, block_size, head_dim, dtype, device)
                        for _ in range(num_layers)]
+        self.dtype = dtype
         self.eos_token_ids = set(eos_token_ids)
         self.sampler = Sampler(seed)
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
+        return sum(c.kv.numel() * c.kv.element_size() for c in self.caches)
 
     @torch.inference_mode()
     def run(self, plan: SchedulerPlan) -> StepResult:
@@ -113,11 +114,14 @@ class ModelRunner:
         return groups
 
     def _decode_group(self, row_start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-        dev, width = self.device, max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+        dev, width, b = self.device, max(len(t) for t in tables), len(tables)
+        flat = torch.tensor([i for t in tables for i in t + [0] * (width - len(t))], device=dev)
         key_pos = torch.arange(width * self.block_size, device=dev).unsqueeze(0)
-        mask = key_pos >= torch.tensor(lens, device=dev).unsqueeze(1)
-        return DecodeGroup(row_start, bt, mask.view(1, len(lens), 1, -1))
+        past = key_pos >= torch.tensor(lens, device=dev).unsqueeze(1)            # (B, L)
+        bias = torch.zeros(past.shape, dtype=self.dtype, device=dev).masked_fill_(past, float("-inf"))
+        num_kv_heads = self.caches[0].kv.shape[1]
+        bias = bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)                     # (Hkv B, 1, L)
+        return DecodeGroup(row_start, flat, bias, b)
 
     def _overlay_prompt_embeds(self, chunks, rows, embeds: torch.Tensor) -> None:
         """Positions inside an embeddings prompt take the given vectors, not token embeddings."""

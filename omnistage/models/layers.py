@@ -9,6 +9,7 @@ GPUs. Merged projections (q|k|v, gate|up) are one weight with column shards.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -83,6 +84,8 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -104,11 +107,15 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: (T, H, D) heads to rotate (queries and keys may come in one tensor),
-        positions: (T,)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (T, 1, D), for positions (T,). Done once per step, not per layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: (T, H, D) heads to rotate (queries and keys may come in one tensor)."""
+        cos, sin = cos_sin
         return x * cos + _rotate_half(x) * sin
 
 

@@ -64,12 +64,12 @@ class Qwen2Attention(nn.Module):
                                                     self.hkv * self.d], bias=True, dtype=dtype)
         self.o = TransposedLinear(self.hq * self.d, [c.hidden_size], bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
         # q and k sit side by side in each row: rotate them in one go.
-        qk = rope(positions, qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d))
+        qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         o = paged_attention(q, k, v, cache, meta, self.scale)
@@ -95,8 +95,8 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = Qwen2MLP(c, dtype)
 
-    def forward(self, h, positions, rope, cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rope, cache, meta)
+    def forward(self, h, cos_sin, cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos_sin, cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -132,8 +132,9 @@ class Qwen2ForCausalLM(nn.Module):
                 caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         """(T, hidden) input embeddings -> (T, hidden) final-normed hidden states."""
         h = inputs_embeds
+        cos_sin = self.rope.lookup(positions, h.dtype)
         for layer, cache in zip(self.layers, caches):
-            h = layer(h, positions, self.rope, cache, meta)
+            h = layer(h, cos_sin, cache, meta)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
