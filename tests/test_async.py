@@ -32,16 +32,6 @@ def _prompts() -> list:
 PROMPTS = _prompts()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model gains nothing from 2 threads; on a busy 2-core box their spin waits
-    slow each step ~10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def blocking(tiny_qwen2):
     return Omni(tiny_qwen2, **OPTIONS)

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage import Omni, SamplingParams
@@ -28,16 +27,6 @@ from omnistage.errors import (
 MAX_LEN = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 GOOD = ["hello world", {"prompt_token_ids": [3, 14, 15, 92, 65]}]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model gains nothing from 2 threads, and on a busy 2-core box their spin
-    waits make each step ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

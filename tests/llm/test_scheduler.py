@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 
 from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.scheduler import Scheduler, SchedulerPlan
