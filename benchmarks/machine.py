@@ -1,0 +1,40 @@
+"""How busy the rest of the machine was during a measurement (Linux /proc only).
+
+On a 2-core machine another process that keeps one core busy can halve a 2-thread run, or
+worse (OpenMP threads wait on each other). Each measurement records how many cores the other
+processes used meanwhile, so a reader can tell a slow system from a busy machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+
+
+def _busy_and_own() -> tuple[float, float] | None:
+    """(seconds of CPU busy on the whole machine, seconds used by this process + children)."""
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = sum(vals) - vals[3] - (vals[4] if len(vals) > 4 else 0)  # minus idle, iowait
+    own = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return busy / tick, own / tick
+
+
+@contextmanager
+def other_load(into: dict):
+    """Fill `into["other_cores"]`: mean cores used by other processes while the block ran."""
+    before, t0 = _busy_and_own(), time.monotonic()
+    try:
+        yield into
+    finally:
+        after, wall = _busy_and_own(), time.monotonic() - t0
+        if before and after and wall > 0:
+            others = (after[0] - before[0]) - (after[1] - before[1])
+            into["other_cores"] = round(max(0.0, others) / wall, 2)

@@ -1,0 +1,105 @@
+"""Our engine on the benchmark workload, through the public offline API only.
+
+    Omni(model=DIR, **options).generate([{"prompt_token_ids": ids}, ...], [SamplingParams, ...])
+    AsyncOmni(model=DIR).generate(prompt, params, request_id=...)  # async iterator of chunks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+from benchmarks.workload import Measurement, Workload
+
+
+def _params(n: int):
+    from omnistage import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _shutdown(engine) -> None:
+    close = getattr(engine, "shutdown", None) or getattr(engine, "close", None)
+    if close is not None:
+        close()
+    gc.collect()
+
+
+def start_engine(model_dir, **options):
+    """(Omni instance, engine start seconds = construction time)."""
+    from omnistage import Omni
+
+    t0 = time.perf_counter()
+    llm = Omni(model=str(model_dir), **options)
+    return llm, time.perf_counter() - t0
+
+
+def generate(llm, prompts: list[list[int]], output_lens: list[int]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        [_params(n) for n in output_lens])
+    return [list(o.token_ids) for o in outs]
+
+
+def throughput(model_dir, workload: Workload, **options) -> Measurement:
+    """Engine start, a two-request warm-up, then the whole workload as one generate call."""
+    llm, start_s = start_engine(model_dir, **options)
+    try:
+        generate(llm, [p[:16] for p in workload.prompts[:2]], [4, 4])  # warm-up
+        t0 = time.perf_counter()
+        outs = generate(llm, workload.prompts, workload.output_lens)
+        wall = time.perf_counter() - t0
+    finally:
+        _shutdown(llm)
+    lens_ok = [len(o) for o in outs] == workload.output_lens
+    notes = {"options": options, "lengths_ok": lens_ok}
+    return Measurement("omnistage", sum(len(o) for o in outs), wall, start_s, notes, outs[:2])
+
+
+async def _stream_times(model_dir, prompt: list[int], n: int) -> list[tuple[float, int]]:
+    """(arrival time, tokens in chunk) for each streamed chunk of one request."""
+    from omnistage import AsyncOmni
+
+    engine = AsyncOmni(model=str(model_dir))
+    try:
+        stamps = []
+        for rid in ("warm-up", "timed"):
+            stamps = []
+            params = _params(8 if rid == "warm-up" else n)
+            async for chunk in engine.generate({"prompt_token_ids": prompt}, params,
+                                               request_id=f"bench-{rid}"):
+                if chunk.token_ids:
+                    stamps.append((time.perf_counter(), len(chunk.token_ids)))
+        return stamps
+    finally:
+        _shutdown(engine)
+
+
+def _decode_by_difference(model_dir, prompt: list[int], n: int) -> dict:
+    """Fallback without streaming: (n - m) / (t(n) - t(m)) with m = n // 8, best of 2 each."""
+    llm, _ = start_engine(model_dir)
+    try:
+        m = max(2, n // 8)
+        generate(llm, [prompt], [8])  # warm-up
+        best = {}
+        for k in (n, m, n, m):
+            t0 = time.perf_counter()
+            generate(llm, [prompt], [k])
+            best[k] = min(best.get(k, float("inf")), time.perf_counter() - t0)
+    finally:
+        _shutdown(llm)
+    return {"decode_tok_s": round((n - m) / (best[n] - best[m]), 2), "tokens": n,
+            "prompt_len": len(prompt), "method": f"difference of {n}- and {m}-token runs"}
+
+
+def single_stream_decode(model_dir, prompt: list[int], n: int) -> dict:
+    """Decode tok/s of one request, prefill excluded (first to last streamed token)."""
+    try:
+        from omnistage import AsyncOmni  # noqa: F401
+    except ImportError:
+        return _decode_by_difference(model_dir, prompt, n)
+    stamps = asyncio.run(_stream_times(model_dir, prompt, n))
+    after_first = sum(k for _, k in stamps[1:])
+    span = stamps[-1][0] - stamps[0][0]
+    return {"decode_tok_s": round(after_first / span, 2), "tokens": sum(k for _, k in stamps),
+            "chunks": len(stamps), "prompt_len": len(prompt), "method": "AsyncOmni stream"}
