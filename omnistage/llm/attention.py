@@ -10,6 +10,7 @@ One step's tokens are ordered: single-token decodes first, then prefill chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor      # (T,) int64 cache slot of each new token
     decodes: list[DecodeGroup]      # cover rows [0, num_decode), shortest contexts first
     prefills: list[PrefillSpan]
+    # Flat scratch buffer, large enough for this step's largest gather. Gathers land here
+    # instead of in fresh tensors: a fresh multi-MB tensor per layer costs its page faults
+    # every time (5x the copy itself, measured).
+    workspace: torch.Tensor | None = None
 
 
 class KVCache:
@@ -59,12 +64,23 @@ class KVCache:
     def copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]
 
-    def gather(self, flat_tables: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, flat_tables: torch.Tensor, batch: int, workspace: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `batch` sequences whose padded block tables are concatenated in
-        flat_tables: each (Hkv, batch, L, D)."""
-        _, hkv, _, _, d = self.kv.shape
-        kv = self.kv.index_select(2, flat_tables).view(2, hkv, batch, -1, d)
+        flat_tables: each (Hkv, batch, L, D), views into `workspace` when given."""
+        _, hkv, _, bs, d = self.kv.shape
+        shape = (2, hkv, flat_tables.numel(), bs, d)
+        if workspace is None:
+            kv = self.kv.index_select(2, flat_tables)
+        else:
+            kv = torch.index_select(self.kv, 2, flat_tables, out=workspace[:math.prod(shape)].view(shape))
+        kv = kv.view(2, hkv, batch, -1, d)
         return kv[0], kv[1]
+
+    def gather_numel(self, num_blocks: int) -> int:
+        """Elements a gather of `num_blocks` blocks needs."""
+        _, hkv, _, bs, d = self.kv.shape
+        return 2 * hkv * num_blocks * bs * d
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -74,20 +90,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.empty_like(q)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.size)
-        out[rows] = _decode(q[rows], cache, group, scale)
+        out[rows] = _decode(q[rows], cache, group, scale, meta.workspace)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], cache, span, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], cache, span, scale, meta.workspace)
     return out
 
 
-def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float,
+            workspace: torch.Tensor | None) -> torch.Tensor:
     """One query per sequence against its whole padded context, the group's sequences at
     once. The gather copies every context: grouping by length keeps padding small."""
     bd, hq, d = q.shape
     hkv = cache.kv.shape[1]
     g = hq // hkv
-    k, v = cache.gather(group.block_tables, bd)                 # (Hkv, Bd, L, D) each
+    k, v = cache.gather(group.block_tables, bd, workspace)      # (Hkv, Bd, L, D) each
     qh = q.view(bd, hkv, g, d).transpose(0, 1).reshape(hkv * bd, g, d)
     k = k.reshape(hkv * bd, -1, d)
     # scale * q.k + (0 | -inf): one fused call.
@@ -98,13 +115,13 @@ def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float) -
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-             span: PrefillSpan, scale: float) -> torch.Tensor:
+             span: PrefillSpan, scale: float, workspace: torch.Tensor | None) -> torch.Tensor:
     """Causal attention of a chunk's queries over the cached prefix plus the chunk itself."""
     if span.block_table is None:  # nothing cached before this chunk: attend to itself
         keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, q_len, D)
         mask, causal = None, True
     else:
-        keys, values = cache.gather(span.block_table, 1)
+        keys, values = cache.gather(span.block_table, 1, workspace)
         keys, values = keys[:, 0, :span.ctx_len], values[:, 0, :span.ctx_len]
         # Query i sits at absolute position ctx_len - q_len + i and sees keys j <= that.
         offset = span.ctx_len - span.q_len

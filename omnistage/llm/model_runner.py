@@ -39,6 +39,7 @@ class ModelRunner:
         self.caches = [KVCache(num_kv_heads, num_blocks, block_size, head_dim, dtype, device)
                        for _ in range(num_layers)]
         self.dtype = dtype
+        self._gather_buffer: torch.Tensor | None = None
         self.eos_token_ids = set(eos_token_ids)
         self.sampler = Sampler(seed)
 
@@ -95,11 +96,23 @@ class ModelRunner:
                 bt = None if start == 0 else torch.tensor(ctx_blocks, device=dev)
                 prefills.append(PrefillSpan(r0, n, start + n, bt))
         lens = [pos[r0] + 1 for r0, _ in rows[:len(decode_tables)]]
+        decodes = self._decode_groups(decode_tables, lens)
+        gathered = [g.block_tables.numel() for g in decodes]
+        gathered += [p.block_table.numel() for p in prefills if p.block_table is not None]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decodes=self._decode_groups(decode_tables, lens), prefills=prefills)
+            decodes=decodes, prefills=prefills, workspace=self._workspace(max(gathered, default=0)))
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta, rows)
+
+    def _workspace(self, num_blocks: int) -> torch.Tensor | None:
+        """The gather buffer, grown (never shrunk) to hold `num_blocks` blocks of K and V."""
+        need = self.caches[0].gather_numel(num_blocks)
+        if need == 0:
+            return None
+        if self._gather_buffer is None or self._gather_buffer.numel() < need:
+            self._gather_buffer = torch.empty(need, dtype=self.dtype, device=self.device)
+        return self._gather_buffer
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Split decodes (sorted by length) into groups whose padding wastes little: a group

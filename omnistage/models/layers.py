@@ -116,7 +116,7 @@ class RotaryEmbedding:
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: (T, H, D) heads to rotate (queries and keys may come in one tensor)."""
         cos, sin = cos_sin
-        return x * cos + _rotate_half(x) * sin
+        return (x * cos).addcmul_(_rotate_half(x), sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

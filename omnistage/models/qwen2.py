@@ -84,7 +84,7 @@ class Qwen2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(gate).mul_(up))
 
 
 class Qwen2DecoderLayer(nn.Module):
