@@ -68,6 +68,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, self.eos_token_ids, config.seed)
+        log.info("engine ready: %s on %s (%s, %s linear), max_model_len %d, KV pool %d blocks "
+                 "of %d tokens (%.0f MiB), prefix caching %s", config.model, self.device,
+                 str(self.dtype).removeprefix("torch."), self.linear_kernel, self.max_model_len,
+                 num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
+                 "on" if config.enable_prefix_caching else "off")
         self.requests: dict[str, _Request] = {}
         self._seq_ids = SeqIdCounter()
         self._arrivals = SeqIdCounter()
