@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import multiprocessing
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from benchmarks.workload import Measurement, Workload
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _params(n: int):
@@ -127,9 +132,13 @@ def single_stream_decode(model_dir, prompt: list[int], n: int) -> dict:
         return _decode_by_difference(model_dir, prompt, n)
     sync = _sync_stream_times(model_dir, prompt, n)
     # A fresh process: OpenMP teams left by earlier runs on this thread would slow the
-    # engine thread (see AsyncOmni.__init__), which a real server does not have.
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        stamps = pool.apply(_async_stream_times, (str(model_dir), prompt, n))
+    # engine thread (see AsyncOmni.__init__), which a real server does not have. Arguments
+    # and results travel as JSON (no pickle between processes).
+    code = ("import json, sys; from benchmarks.omnistage_runner import _async_stream_times as f; "
+            "a = json.loads(sys.argv[1]); print(json.dumps(f(*a)))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([str(model_dir), prompt, n])],
+                          capture_output=True, text=True, check=True, cwd=_REPO_ROOT)
+    stamps = json.loads(done.stdout.strip().splitlines()[-1])
     return {"decode_tok_s": _rate(sync), "tokens": sum(k for _, k in sync), "chunks": len(sync),
             "prompt_len": len(prompt), "method": "Omni.stream",
             "async_decode_tok_s": _rate(stamps), "async_method": "AsyncOmni stream"}
