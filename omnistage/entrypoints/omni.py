@@ -35,10 +35,11 @@ class Omni:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params=None, return_hidden_states: bool = False
-                 ) -> list[OmniOutput]:
+    def generate(self, prompts, sampling_params=None, return_hidden_states: bool = False,
+                 use_tqdm: bool = False) -> list[OmniOutput]:
         """One OmniOutput per prompt, in order. A single prompt still returns a list.
-        `sampling_params`: None (defaults), one SamplingParams for all, or one per prompt."""
+        `sampling_params`: None (defaults), one SamplingParams for all, or one per prompt.
+        `use_tqdm` shows a progress bar of finished samples and generated tokens."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
@@ -48,12 +49,20 @@ class Omni:
         prompts = list(prompts)
         outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states)
         hidden: dict[tuple[str, int], list[torch.Tensor]] = {}
+        bar = _progress(sum(len(o.outputs) for o in outputs.values())) if use_tqdm else None
+        tokens = 0
         for d in self._drain(outputs):
+            if bar is not None:
+                tokens += len(d.token_ids)
+                bar.set_postfix_str(f"{tokens} tokens", refresh=False)
+                bar.update(int(d.finished))
             out = outputs[d.request_id]
             out.outputs[d.index].add(d)
             out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
             if d.hidden_states is not None:
                 hidden.setdefault((d.request_id, d.index), []).append(d.hidden_states)
+        if bar is not None:
+            bar.close()
         for (rid, i), hs in hidden.items():
             outputs[rid].outputs[i].hidden_states = torch.cat(hs)
         return list(outputs.values())
@@ -88,3 +97,9 @@ class Omni:
     def _abort(self, outputs) -> None:
         for rid in outputs:   # a no-op for finished requests
             self.engine.abort_request(rid)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="sample", dynamic_ncols=True)

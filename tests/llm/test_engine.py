@@ -151,3 +151,12 @@ def test_chat_prompt_uses_template(llm):
     out = llm.generate(msgs, SamplingParams(temperature=0, max_tokens=4))[0]
     assert out.prompt.endswith("<|im_start|>assistant\n")
     assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+
+
+def test_progress_bar_does_not_change_outputs(llm, capsys):
+    prompts = [_ids(9, 70 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    shown = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=True)]
+    assert shown == plain
+    assert "3/3" in capsys.readouterr().err
