@@ -45,12 +45,12 @@ class BlockManager:
         return len(self._free)
 
     # ---- content keys ---------------------------------------------------------------------
-    def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
-        """Keys of the first `num_blocks` full blocks of seq's tokens (extends seq.block_hashes)."""
+    def _keys(self, seq: Sequence, first: int, last: int) -> list[BlockKey]:
+        """Keys of full blocks [first, last) of seq's tokens (extends seq.block_hashes)."""
         bs = self.block_size
         keys = []
-        parent = 0
-        for i in range(num_blocks):
+        parent = seq.block_hashes[first - 1] if first else 0
+        for i in range(first, last):
             key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(hash(key))
@@ -65,7 +65,7 @@ class BlockManager:
         if not (self.enable_prefix_caching and seq.cacheable):
             return []
         hits = []
-        for key in self._keys(seq, (seq.num_tokens - 1) // self.block_size):
+        for key in self._keys(seq, 0, (seq.num_tokens - 1) // self.block_size):
             block_id = self._cached.get(key)
             if block_id is None:
                 break
@@ -126,12 +126,14 @@ class BlockManager:
         first, last = num_before // bs, seq.num_computed_tokens // bs
         if first == last:
             return
-        keys = self._keys(seq, last)
-        for i in range(first, last):
+        start = min(first, len(seq.block_hashes))   # keys chain from the last known hash
+        for i, key in enumerate(self._keys(seq, start, last), start=start):
+            if i < first:
+                continue
             block = self.blocks[seq.block_table[i]]
-            if block.key is None and keys[i] not in self._cached:
-                block.key = keys[i]
-                self._cached[keys[i]] = block.block_id
+            if block.key is None and key not in self._cached:
+                block.key = key
+                self._cached[key] = block.block_id
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are evicted first."""
