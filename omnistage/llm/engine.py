@@ -134,6 +134,10 @@ class LLMEngine:
                     f"got {tuple(prompt_embeds.shape)}", param="prompt_embeds")
             if not prompt_token_ids:
                 prompt_token_ids = [0] * prompt_embeds.shape[0]
+            elif len(prompt_token_ids) != prompt_embeds.shape[0]:
+                raise InvalidRequestError(
+                    f"prompt_token_ids ({len(prompt_token_ids)}) and prompt_embeds "
+                    f"({prompt_embeds.shape[0]} rows) must have the same length", param="prompt_embeds")
         self._check_prompt(prompt_token_ids, prompt_embeds)
         samples = []
         for i in range(params.n):

@@ -160,3 +160,14 @@ def test_progress_bar_does_not_change_outputs(llm, capsys):
     shown = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=True)]
     assert shown == plain
     assert "3/3" in capsys.readouterr().err
+
+
+def test_prompt_embeds_shape_is_checked(llm):
+    from omnistage.errors import InvalidRequestError
+
+    hidden = llm.engine.model.config.hidden_size
+    with pytest.raises(InvalidRequestError, match="prompt_embeds"):
+        llm.generate({"prompt_embeds": torch.zeros(4, hidden + 1)})
+    with pytest.raises(InvalidRequestError, match="same length"):
+        llm.generate({"prompt_embeds": torch.zeros(4, hidden), "prompt_token_ids": [1, 2, 3]})
+    assert not llm.engine.requests and llm.engine.num_free_blocks == llm.engine.num_blocks
