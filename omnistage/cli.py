@@ -89,7 +89,43 @@ def _generate_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="HF-format model folder, or tiny:ARCH for a built-in tiny model")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route (default: no key)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients send (default: the MODEL argument)")
+    parser.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
+    _engine_arguments(parser)
+
+
+def _serve_run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from omnistage import AsyncOmni
+    from omnistage.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncOmni(args.model, **engine_options(args))
+    app = build_app(engine, args.served_model_name or args.model, args.api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
+    "serve": Subcommand(
+        help="serve a model over the OpenAI API (chat completions, completions, models)",
+        add_arguments=_serve_arguments,
+        run=_serve_run,
+    ),
     "generate": Subcommand(
         help="generate text for one prompt and print it",
         add_arguments=_generate_arguments,

@@ -1,0 +1,206 @@
+"""FastAPI app: OpenAI's chat completions, completions and models routes over AsyncOmni.
+
+Every route checks the API key (when set); every client mistake is a 4xx in OpenAI's error
+JSON; a client that disconnects mid-stream aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage import __version__
+from omnistage.entrypoints.async_omni import AsyncOmni
+from omnistage.errors import EngineDeadError, InvalidRequestError
+from omnistage.outputs import Delta
+from omnistage.server.errors import error_response
+from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="omnistage", version=__version__)
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def auth_and_request_id(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        if api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                      code="invalid_api_key", headers={"X-Request-Id": rid})
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(request: Request, exc: InvalidRequestError):
+        return error_response(400, str(exc), param=exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
+        return error_response(400, f"{loc or 'body'}: {err.get('msg', 'invalid request')}", param=loc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("request %s failed", getattr(request.state, "request_id", "?"))
+        if isinstance(exc, EngineDeadError):
+            return error_response(503, "the engine is not running")
+        return error_response(500, "internal error; see the server log for this request id")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
+                                      param="model")
+
+    @app.get("/health")
+    async def health():
+        if engine.dead is not None:
+            return error_response(503, "the engine stopped after an internal error")
+        return {"status": "ok"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "omnistage"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.modalities and "audio" in body.modalities:
+            raise InvalidRequestError("this model produces text only; drop 'audio' from modalities",
+                                      param="modalities")
+        params = body.to_sampling_params()
+        return await _respond(engine, request, body.messages, params, body.stream,
+                              body.stream_options, model_name, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
+        return await _respond(engine, request, prompt, body.to_sampling_params(), body.stream,
+                              body.stream_options, model_name, chat=False)
+
+    return app
+
+
+async def _respond(engine: AsyncOmni, request: Request, prompt, params, stream: bool,
+                   stream_options, model_name: str, chat: bool):
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
+    deltas = engine.generate(prompt, params, request_id=rid)
+    first = await anext(deltas)   # errors in the request surface here, before any byte is sent
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return StreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage),
+                                 media_type="text/event-stream")
+    return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n))
+
+
+async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_name, chat, n):
+    texts, counts, reasons, logprobs = [""] * n, [0] * n, [None] * n, [[] for _ in range(n)]
+    prompt_tokens = 0
+    async for d in _chain(first, deltas):
+        texts[d.index] += d.text
+        counts[d.index] += len(d.token_ids)
+        prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+        if d.logprobs:
+            logprobs[d.index] += d.logprobs
+        if d.finished:
+            reasons[d.index] = _finish_reason(d)
+    choices = []
+    for i in range(n):
+        lp = _chat_logprobs(engine, logprobs[i]) if logprobs[i] else None
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                            "finish_reason": reasons[i], "logprobs": lp})
+        else:
+            choices.append({"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model_name, "choices": choices,
+            "usage": _usage(prompt_tokens, sum(counts))}
+
+
+async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usage):
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    started: set[int] = set()
+    prompt_tokens = completion_tokens = 0
+
+    def event(choices: list, usage: dict | None = None) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    async for d in _chain(first, deltas):   # closing this generator aborts the request
+        prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+        completion_tokens += len(d.token_ids)
+        if not (d.text or d.finished or d.index not in started):
+            continue
+        if chat:
+            delta = {"content": d.text}
+            if d.index not in started:
+                delta["role"] = "assistant"
+            choice = {"index": d.index, "delta": delta, "finish_reason": None, "logprobs": None}
+            if d.logprobs:
+                choice["logprobs"] = _chat_logprobs(engine, d.logprobs)
+        else:
+            choice = {"index": d.index, "text": d.text, "finish_reason": None, "logprobs": None}
+        started.add(d.index)
+        if d.finished:
+            choice["finish_reason"] = _finish_reason(d)
+        yield event([choice])
+    if include_usage:
+        yield event([], _usage(prompt_tokens, completion_tokens))
+    yield "data: [DONE]\n\n"
+
+
+async def _chain(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    try:
+        yield first
+        async for d in rest:
+            yield d
+    finally:
+        await rest.aclose()   # aborts the request if it has not finished
+
+
+def _finish_reason(d: Delta) -> str:
+    return "length" if d.finish_reason == "length" else "stop"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chat_logprobs(engine: AsyncOmni, lps) -> dict:
+    tok = engine.tokenizer
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tok.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}

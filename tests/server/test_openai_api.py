@@ -1,0 +1,114 @@
+"""The real server on loopback, driven by the real openai SDK (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from omnistage import Omni, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def client(server, api_key):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_qwen2):
+    return Omni(tiny_qwen2, block_size=4)
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_chat_matches_offline_api(client, offline):
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    want = offline.generate(MESSAGES, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert resp.choices[0].message.content == want.text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_streamed_chat_equals_whole(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0.8, seed=5,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                 **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
+
+
+def test_n_and_logprobs(client):
+    resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, n=3,
+                                          temperature=1.0, seed=1, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:
+        assert len(c.logprobs.content) == 5
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
+
+
+def test_completions_and_models(client):
+    resp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 6
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_async_client_concurrent_streams(server, api_key):
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=api_key, max_retries=0)
+
+        async def one(i):
+            stream = await aclient.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"story {i}"}], max_tokens=8,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        texts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), 60)
+        again = await asyncio.wait_for(one(3), 60)
+        await aclient.close()
+        return texts, again
+
+    texts, again = asyncio.run(main())
+    assert texts[3] == again
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"model": "nope"}, "model"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"),
+])
+def test_bad_requests_are_400(client, kwargs, param):
+    args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_auth_and_errors_in_openai_shape(server, api_key):
+    auth = {"Authorization": f"Bearer {api_key}"}
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    r = httpx.post(f"{server}/v1/chat/completions", content=b"{not json",
+                   headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.get(f"{server}/v1/nothing", headers={**auth, "X-Request-Id": "abc123"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "abc123"
+    assert httpx.get(f"{server}/health", headers=auth).status_code == 200
