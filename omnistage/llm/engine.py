@@ -74,6 +74,7 @@ class LLMEngine:
                  num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
                  "on" if config.enable_prefix_caching else "off")
         self.requests: dict[str, _Request] = {}
+        self.num_aborted_requests = 0
         self._seq_ids = SeqIdCounter()
         self._arrivals = SeqIdCounter()
 
@@ -173,6 +174,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return []
+        self.num_aborted_requests += 1
         # Collect first: finishing sample 0 before it forked also finishes samples 1..n-1.
         pending = [s for s in req.samples if not s.seq.is_finished]
         out = []

@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage import __version__
@@ -76,6 +76,10 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None) ->
         if engine.dead is not None:
             return error_response(503, "the engine stopped after an internal error")
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(_metrics(engine), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version():
@@ -204,3 +208,25 @@ def _chat_logprobs(engine: AsyncOmni, lps) -> dict:
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+def _metrics(engine: AsyncOmni) -> str:
+    """Prometheus text. Plain int reads of engine state: safe under the GIL, and a gauge one
+    step stale is fine."""
+    e = engine.engine
+    gauges = {
+        "omnistage_kv_blocks_total": ("KV cache blocks in the pool", e.num_blocks),
+        "omnistage_kv_blocks_free": ("KV cache blocks free", e.num_free_blocks),
+        "omnistage_requests_running": ("sequences holding KV blocks", len(e.scheduler.running)),
+        "omnistage_requests_waiting": ("sequences queued or preempted", len(e.scheduler.waiting)),
+        "omnistage_preemptions_total": ("sequences preempted so far", e.scheduler.num_preemptions),
+        "omnistage_requests_aborted_total": ("requests aborted (client gone, or abort())",
+                                             e.num_aborted_requests),
+        "omnistage_prefix_cache_hit_tokens_total": ("prompt tokens served by the prefix cache",
+                                                    e.block_manager.num_prefix_hit_tokens),
+    }
+    lines = []
+    for name, (help_text, value) in gauges.items():
+        kind = "counter" if name.endswith("_total") and name != "omnistage_kv_blocks_total" else "gauge"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -112,3 +113,29 @@ def test_auth_and_errors_in_openai_shape(server, api_key):
     r = httpx.get(f"{server}/v1/nothing", headers={**auth, "X-Request-Id": "abc123"})
     assert r.status_code == 404 and r.headers["x-request-id"] == "abc123"
     assert httpx.get(f"{server}/health", headers=auth).status_code == 200
+
+
+def _metric(server: str, auth: dict, name: str) -> float:
+    text = httpx.get(f"{server}/metrics", headers=auth).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
+    auth = {"Authorization": f"Bearer {api_key}"}
+    total = _metric(server, auth, "omnistage_kv_blocks_total")
+    aborted = _metric(server, auth, "omnistage_requests_aborted_total")
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    for _ in range(5):   # streams cut off mid-way
+        with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth,
+                          timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+    deadline = time.monotonic() + 10     # bounded wait for the aborts to land
+    while _metric(server, auth, "omnistage_kv_blocks_free") != total:
+        assert time.monotonic() < deadline, "blocks still held after the clients went away"
+        time.sleep(0.05)
+    assert _metric(server, auth, "omnistage_requests_running") == 0
+    assert _metric(server, auth, "omnistage_requests_aborted_total") == aborted + 5
