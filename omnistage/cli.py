@@ -99,6 +99,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: the MODEL argument)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
+    parser.add_argument("--allowed-origins", nargs="*", default=[],
+                        help="CORS origins allowed to call the API from a browser (default: none)")
+    parser.add_argument("--max-queued-requests", type=int, default=256,
+                        help="queued (not yet running) sequences before new requests get 429 (default: 256)")
+    parser.add_argument("--max-body-mb", type=float, default=32.0,
+                        help="largest request body accepted, in MiB; larger gets 413 (default: 32)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
     _engine_arguments(parser)
 
 
@@ -108,13 +116,17 @@ def _serve_run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from omnistage import AsyncOmni
-    from omnistage.server.app import build_app
+    from omnistage.server.app import ServerLimits, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncOmni(args.model, **engine_options(args))
-    app = build_app(engine, args.served_model_name or args.model, args.api_key)
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
+                          max_queued_requests=args.max_queued_requests,
+                          allowed_origins=tuple(args.allowed_origins))
+    app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0

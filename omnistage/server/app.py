@@ -11,10 +11,12 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,9 +30,21 @@ from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None) -> FastAPI:
+@dataclass
+class ServerLimits:
+    max_body_bytes: int = 32 * 2**20      # request bodies larger than this get 413
+    max_queued_requests: int = 256        # admitted-but-waiting sequences before 429
+    allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
+
+
+def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
+    limits = limits or ServerLimits()
     app = FastAPI(title="omnistage", version=__version__)
     created = int(time.time())
+    if limits.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
 
     @app.middleware("http")
     async def auth_and_request_id(request: Request, call_next):
@@ -41,6 +55,13 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None) ->
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
+            return error_response(413, f"request body over {limits.max_body_bytes} bytes",
+                                  headers={"X-Request-Id": rid})
+        if request.method == "POST" and len(engine.engine.scheduler.waiting) >= limits.max_queued_requests:
+            return error_response(429, "too many queued requests; retry shortly",
+                                  headers={"Retry-After": "1", "X-Request-Id": rid})
         response = await call_next(request)
         response.headers["X-Request-Id"] = rid
         return response

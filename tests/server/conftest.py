@@ -1,7 +1,8 @@
-"""A real `omnistage serve` process on a free loopback port, shared by the server tests."""
+"""Real `omnistage serve` processes on free loopback ports, for the server tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -20,6 +21,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running_server(model_dir: str, *extra_args: str):
+    """Start the server, wait (bounded) until /health is 200, yield its base URL, stop it."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omnistage.cli", "serve", model_dir, "--port", str(port),
+         "--served-model-name", "tiny", "--api-key", API_KEY, "--block-size", "4",
+         "--num-threads", "1", "--log-level", "warning", *extra_args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", headers={"Authorization": f"Bearer {API_KEY}"},
+                             timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become healthy within 60 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture(scope="session")
 def api_key() -> str:
     return API_KEY
@@ -27,31 +62,11 @@ def api_key() -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_qwen2):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "omnistage.cli", "serve", tiny_qwen2, "--port", str(port),
-         "--served-model-name", "tiny", "--api-key", API_KEY, "--block-size", "4",
-         "--num-threads", "1", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60          # bounded wait for start-up
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", headers={"Authorization": f"Bearer {API_KEY}"},
-                         timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not become healthy within 60 s")
-        time.sleep(0.2)
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server(tiny_qwen2) as base:
+        yield base
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """`with start_server(model_dir, *flags) as base_url:` for tests that need their own."""
+    return running_server

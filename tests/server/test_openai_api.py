@@ -139,3 +139,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
         time.sleep(0.05)
     assert _metric(server, auth, "omnistage_requests_running") == 0
     assert _metric(server, auth, "omnistage_requests_aborted_total") == aborted + 5
+
+
+def test_oversized_body_is_413(server, api_key):
+    auth = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (33 * 2**20) + b'"}]}'
+    r = httpx.post(f"{server}/v1/chat/completions", content=big, headers=auth, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_queue_bound_gives_429_with_retry_after(tiny_qwen2, api_key, start_server):
+    with start_server(tiny_qwen2, "--max-queued-requests", "0") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0)
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert e.value.response.headers["retry-after"] == "1"
+        assert [m.id for m in client.models.list().data] == ["tiny"]   # GETs still served
