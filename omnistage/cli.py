@@ -103,8 +103,8 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CORS origins allowed to call the API from a browser (default: none)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
                         help="queued (not yet running) sequences before new requests get 429 (default: 256)")
-    parser.add_argument("--max-body-mb", type=float, default=32.0,
-                        help="largest request body accepted, in MiB; larger gets 413 (default: 32)")
+    parser.add_argument("--max-body-mb", type=float, default=16.0,
+                        help="largest request body accepted, in MiB; larger gets 413 (default: 16)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
     _engine_arguments(parser)

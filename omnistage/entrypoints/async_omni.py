@@ -75,7 +75,8 @@ class AsyncOmni:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
         params = sampling_params or SamplingParams()
         rid = request_id or new_request_id()
-        parsed = parse_prompt(prompt, self.engine.tokenizer)
+        # Tokenizing a long prompt takes a while: keep the event loop free meanwhile.
+        parsed = await asyncio.to_thread(parse_prompt, prompt, self.engine.tokenizer)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:

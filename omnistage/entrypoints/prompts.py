@@ -33,8 +33,17 @@ def is_single_prompt(prompts) -> bool:
         and "role" in prompts[0]
 
 
+def _check_text(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{param} is not valid Unicode ({e.reason} at {e.start}); "
+                                  f"lone surrogates such as \\ud800 are not text", param=param) from e
+
+
 def parse_prompt(prompt, tokenizer) -> ParsedPrompt:
     if isinstance(prompt, str):
+        _check_text(prompt, "prompt")
         return ParsedPrompt(prompt, tokenizer.encode(prompt, add_special_tokens=False))
     if isinstance(prompt, list):
         return _chat(prompt, tokenizer)
@@ -73,7 +82,11 @@ def _chat(messages: list, tokenizer) -> ParsedPrompt:
             raise InvalidRequestError(
                 f"message {i} content must be a string or a list of content parts, "
                 f"got {type(content).__name__}", param=f"messages[{i}].content")
+        if isinstance(content, str):
+            _check_text(content, f"messages[{i}].content")
         for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                _check_text(part["text"], f"messages[{i}].content")
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequestError(

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServerLimits:
-    max_body_bytes: int = 32 * 2**20      # request bodies larger than this get 413
+    max_body_bytes: int = 16 * 2**20      # request bodies larger than this get 413
     max_queued_requests: int = 256        # admitted-but-waiting sequences before 429
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
 
@@ -62,7 +62,14 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
         if request.method == "POST" and len(engine.engine.scheduler.waiting) >= limits.max_queued_requests:
             return error_response(429, "too many queued requests; retry shortly",
                                   headers={"Retry-After": "1", "X-Request-Id": rid})
-        response = await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception as exc:   # answer here: re-raised errors would reset the connection
+            log.exception("request %s failed", rid)
+            if isinstance(exc, EngineDeadError):
+                return error_response(503, "the engine is not running", headers={"X-Request-Id": rid})
+            return error_response(500, f"internal error; see the server log for request id {rid}",
+                                  headers={"X-Request-Id": rid})
         response.headers["X-Request-Id"] = rid
         return response
 
@@ -73,6 +80,9 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return error_response(400, f"the request body is not valid JSON ({detail})")
         loc = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
         return error_response(400, f"{loc or 'body'}: {err.get('msg', 'invalid request')}", param=loc)
 
@@ -87,7 +97,11 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
             return error_response(503, "the engine is not running")
         return error_response(500, "internal error; see the server log for this request id")
 
-    def check_model(name: str) -> None:
+    def check_request(name: str, max_tokens: int | None) -> None:
+        if max_tokens is not None and max_tokens >= engine.engine.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} does not fit the context window of "
+                f"{engine.engine.max_model_len} tokens", param="max_tokens")
         if name != model_name:
             raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
                                       param="model")
@@ -113,17 +127,17 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
+        params = body.to_sampling_params()
+        check_request(body.model, params.max_tokens)
         if body.modalities and "audio" in body.modalities:
             raise InvalidRequestError("this model produces text only; drop 'audio' from modalities",
                                       param="modalities")
-        params = body.to_sampling_params()
         return await _respond(engine, request, body.messages, params, body.stream,
                               body.stream_options, model_name, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
+        check_request(body.model, body.max_tokens)
         prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
         return await _respond(engine, request, prompt, body.to_sampling_params(), body.stream,
                               body.stream_options, model_name, chat=False)

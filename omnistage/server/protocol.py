@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from omnistage.sampling_params import SamplingParams
 
@@ -19,25 +19,25 @@ class _SamplingFields(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)   # OpenAI's range
+    top_p: float = Field(1.0, allow_inf_nan=False)
     n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False)
     user: str | None = None
     # Extensions (OpenAI SDK: extra_body={...}), named as in vLLM.
     top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float = Field(0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, allow_inf_nan=False)
     min_tokens: int = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] = Field(default_factory=list)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -54,7 +54,7 @@ class _SamplingFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[dict] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     modalities: list[Literal["text", "audio"]] | None = None
 
@@ -67,7 +67,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int]
     max_tokens: int | None = 16          # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: StrictBool = False
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)

@@ -143,7 +143,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
 
 def test_oversized_body_is_413(server, api_key):
     auth = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-    big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (33 * 2**20) + b'"}]}'
+    big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (17 * 2**20) + b'"}]}'
     r = httpx.post(f"{server}/v1/chat/completions", content=big, headers=auth, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
 
