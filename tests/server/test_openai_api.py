@@ -120,25 +120,38 @@ def _metric(server: str, auth: dict, name: str) -> float:
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
+CUT_OFF_STREAMS = 200
+
+
 def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
     auth = {"Authorization": f"Bearer {api_key}"}
     total = _metric(server, auth, "omnistage_kv_blocks_total")
     aborted = _metric(server, auth, "omnistage_requests_aborted_total")
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
-    for _ in range(5):   # streams cut off mid-way
-        with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, headers=auth,
-                          timeout=30) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            for _ in range(6):
-                next(lines)
+    async def cut_off(client: httpx.AsyncClient, gate: asyncio.Semaphore, lines_to_read: int):
+        async with gate:
+            async with client.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += bool(line)
+                    if seen >= lines_to_read:
+                        break       # leaving the block closes the connection mid-stream
+
+    async def main():
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(headers=auth, timeout=60) as client:
+            await asyncio.wait_for(asyncio.gather(
+                *(cut_off(client, gate, 2 + i % 7) for i in range(CUT_OFF_STREAMS))), 120)
+
+    asyncio.run(main())
     deadline = time.monotonic() + 10     # bounded wait for the aborts to land
     while _metric(server, auth, "omnistage_kv_blocks_free") != total:
         assert time.monotonic() < deadline, "blocks still held after the clients went away"
         time.sleep(0.05)
     assert _metric(server, auth, "omnistage_requests_running") == 0
-    assert _metric(server, auth, "omnistage_requests_aborted_total") == aborted + 5
+    assert _metric(server, auth, "omnistage_requests_aborted_total") == aborted + CUT_OFF_STREAMS
 
 
 def test_oversized_body_is_413(server, api_key):
