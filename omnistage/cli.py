@@ -124,9 +124,12 @@ def _serve_run(args: argparse.Namespace) -> int:
                           max_queued_requests=args.max_queued_requests,
                           allowed_origins=tuple(args.allowed_origins))
     app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
+    from omnistage.server.serve import DrainingServer
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        DrainingServer(config, app, engine, args.shutdown_timeout).run()
     finally:
         engine.shutdown()
     return 0

@@ -35,6 +35,7 @@ class AsyncOmni:
         self._commands: list[Callable[[], None]] = []   # run on the engine thread
         self._streams: dict[str, _Stream] = {}           # touched on the engine thread only
         self._stopping = False
+        self._idle = threading.Event()   # set while the engine has nothing to do
         self.dead: BaseException | None = None
         # The engine is built on its own thread, so that all of its torch work (loading,
         # packing, every step) runs on one OpenMP thread team. A second team in the process
@@ -105,6 +106,10 @@ class AsyncOmni:
         """Abort a request; its generate() stream ends with finish_reason 'abort'."""
         self._submit(lambda: self._abort_now(request_id))
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is left (or `timeout`); True if idle. For draining."""
+        return self._idle.wait(timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._cv:
             self._stopping = True
@@ -145,7 +150,9 @@ class AsyncOmni:
         while True:
             with self._cv:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._idle.set()
                     self._cv.wait()
+                self._idle.clear()
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []

@@ -41,6 +41,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
               limits: ServerLimits | None = None) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="omnistage", version=__version__)
+    app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
     created = int(time.time())
     if limits.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
@@ -55,6 +56,8 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
+        if app.state.draining and (request.method == "POST" or request.url.path == "/health"):
+            return error_response(503, "the server is shutting down", headers={"X-Request-Id": rid})
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
             return error_response(413, f"request body over {limits.max_body_bytes} bytes",
@@ -253,6 +256,7 @@ def _metrics(engine: AsyncOmni) -> str:
         "omnistage_kv_blocks_total": ("KV cache blocks in the pool", e.num_blocks),
         "omnistage_kv_blocks_free": ("KV cache blocks free", e.num_free_blocks),
         "omnistage_requests_running": ("sequences holding KV blocks", len(e.scheduler.running)),
+        "omnistage_requests_in_engine": ("requests the engine holds (any state)", len(e.requests)),
         "omnistage_requests_waiting": ("sequences queued or preempted", len(e.scheduler.waiting)),
         "omnistage_preemptions_total": ("sequences preempted so far", e.scheduler.num_preemptions),
         "omnistage_requests_aborted_total": ("requests aborted (client gone, or abort())",

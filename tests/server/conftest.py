@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -21,9 +22,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class ServerProcess:
+    base: str
+    proc: subprocess.Popen
+
+
 @contextlib.contextmanager
 def running_server(model_dir: str, *extra_args: str):
-    """Start the server, wait (bounded) until /health is 200, yield its base URL, stop it."""
+    """Start the server, wait (bounded) until /health is 200, yield a ServerProcess, stop it."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnistage.cli", "serve", model_dir, "--port", str(port),
@@ -46,7 +53,7 @@ def running_server(model_dir: str, *extra_args: str):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not become healthy within 60 s")
             time.sleep(0.2)
-        yield base
+        yield ServerProcess(base, proc)
     finally:
         proc.terminate()
         try:
@@ -62,11 +69,12 @@ def api_key() -> str:
 
 @pytest.fixture(scope="session")
 def server(tiny_qwen2):
-    with running_server(tiny_qwen2) as base:
-        yield base
+    with running_server(tiny_qwen2) as running:
+        yield running.base
 
 
 @pytest.fixture(scope="session")
 def start_server():
-    """`with start_server(model_dir, *flags) as base_url:` for tests that need their own."""
+    """`with start_server(model_dir, *flags) as running:` (running.base, running.proc) for tests
+    that need a server of their own."""
     return running_server
