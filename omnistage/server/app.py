@@ -24,6 +24,7 @@ from omnistage import __version__
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError
 from omnistage.outputs import Delta
+from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_response
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -43,6 +44,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     app = FastAPI(title="omnistage", version=__version__)
     app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
     created = int(time.time())
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     if limits.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
@@ -58,10 +60,6 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
         if app.state.draining and (request.method == "POST" or request.url.path == "/health"):
             return error_response(503, "the server is shutting down", headers={"X-Request-Id": rid})
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > limits.max_body_bytes):
-            return error_response(413, f"request body over {limits.max_body_bytes} bytes",
-                                  headers={"X-Request-Id": rid})
         if request.method == "POST" and len(engine.engine.scheduler.waiting) >= limits.max_queued_requests:
             return error_response(429, "too many queued requests; retry shortly",
                                   headers={"Retry-After": "1", "X-Request-Id": rid})

@@ -193,3 +193,19 @@ def test_sigterm_drains_in_flight_then_exits(tiny_qwen2, api_key, start_server):
         assert rest[-1] == "data: [DONE]"          # the in-flight stream finished whole
         # uvicorn re-raises the signal after its graceful shutdown: exit by SIGTERM is clean.
         assert running.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_chunked_oversized_body_is_413(server, api_key):
+    def chunks():
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(17):
+            yield b"a" * 2**20
+        yield b'"}]}'
+
+    auth = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    r = httpx.post(f"{server}/v1/chat/completions", content=chunks(), headers=auth, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    small = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=60,
+                       content=iter([b'{"model": "tiny", "messages": [{"role": "user", ',
+                                     b'"content": "hi"}], "max_tokens": 2}']))
+    assert small.status_code == 200 and small.json()["choices"][0]["message"]["content"] is not None
