@@ -26,6 +26,7 @@ from omnistage.errors import EngineDeadError, InvalidRequestError
 from omnistage.outputs import Delta
 from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_response
+from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     limits = limits or ServerLimits()
     app = FastAPI(title="omnistage", version=__version__)
     app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
+    stats = ServerMetrics()
     created = int(time.time())
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     if limits.allowed_origins:
@@ -115,7 +117,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(stats.render(engine), media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version():
@@ -133,23 +135,23 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
         if body.modalities and "audio" in body.modalities:
             raise InvalidRequestError("this model produces text only; drop 'audio' from modalities",
                                       param="modalities")
-        return await _respond(engine, request, body.messages, params, body.stream,
+        return await _respond(engine, stats, request, body.messages, params, body.stream,
                               body.stream_options, model_name, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(body.model, body.max_tokens)
         prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
-        return await _respond(engine, request, prompt, body.to_sampling_params(), body.stream,
+        return await _respond(engine, stats, request, prompt, body.to_sampling_params(), body.stream,
                               body.stream_options, model_name, chat=False)
 
     return app
 
 
-async def _respond(engine: AsyncOmni, request: Request, prompt, params, stream: bool,
-                   stream_options, model_name: str, chat: bool):
+async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, prompt, params,
+                   stream: bool, stream_options, model_name: str, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
-    deltas = engine.generate(prompt, params, request_id=rid)
+    deltas = _observed(engine.generate(prompt, params, request_id=rid), stats, time.monotonic())
     first = await anext(deltas)   # errors in the request surface here, before any byte is sent
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
@@ -217,6 +219,25 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
     yield "data: [DONE]\n\n"
 
 
+async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: float
+                    ) -> AsyncIterator[Delta]:
+    """Records TTFT, latency and token counts of one request as its deltas pass."""
+    first_text = True
+    prompt_tokens = 0
+    try:
+        async for d in deltas:
+            if first_text and d.token_ids:
+                stats.ttft.observe(time.monotonic() - t0)
+                first_text = False
+            prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+            stats.generation_tokens += len(d.token_ids)
+            yield d
+        stats.latency.observe(time.monotonic() - t0)
+    finally:
+        stats.prompt_tokens += prompt_tokens
+        await deltas.aclose()
+
+
 async def _chain(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
     try:
         yield first
@@ -245,25 +266,3 @@ def _chat_logprobs(engine: AsyncOmni, lps) -> dict:
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-
-def _metrics(engine: AsyncOmni) -> str:
-    """Prometheus text. Plain int reads of engine state: safe under the GIL, and a gauge one
-    step stale is fine."""
-    e = engine.engine
-    gauges = {
-        "omnistage_kv_blocks_total": ("KV cache blocks in the pool", e.num_blocks),
-        "omnistage_kv_blocks_free": ("KV cache blocks free", e.num_free_blocks),
-        "omnistage_requests_running": ("sequences holding KV blocks", len(e.scheduler.running)),
-        "omnistage_requests_in_engine": ("requests the engine holds (any state)", len(e.requests)),
-        "omnistage_requests_waiting": ("sequences queued or preempted", len(e.scheduler.waiting)),
-        "omnistage_preemptions_total": ("sequences preempted so far", e.scheduler.num_preemptions),
-        "omnistage_requests_aborted_total": ("requests aborted (client gone, or abort())",
-                                             e.num_aborted_requests),
-        "omnistage_prefix_cache_hit_tokens_total": ("prompt tokens served by the prefix cache",
-                                                    e.block_manager.num_prefix_hit_tokens),
-    }
-    lines = []
-    for name, (help_text, value) in gauges.items():
-        kind = "counter" if name.endswith("_total") and name != "omnistage_kv_blocks_total" else "gauge"
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"

@@ -209,3 +209,14 @@ def test_chunked_oversized_body_is_413(server, api_key):
                        content=iter([b'{"model": "tiny", "messages": [{"role": "user", ',
                                      b'"content": "hi"}], "max_tokens": 2}']))
     assert small.status_code == 200 and small.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_metrics_record_ttft_latency_and_tokens(server, api_key, client):
+    auth = {"Authorization": f"Bearer {api_key}"}
+    before = _metric(server, auth, "omnistage_time_to_first_token_seconds_count")
+    tokens = _metric(server, auth, "omnistage_generation_tokens_total")
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert _metric(server, auth, "omnistage_time_to_first_token_seconds_count") == before + 1
+    assert _metric(server, auth, "omnistage_request_latency_seconds_count") >= 1
+    assert _metric(server, auth, "omnistage_generation_tokens_total") == tokens + 7
