@@ -93,13 +93,6 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     async def _http(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.exception("request %s failed", getattr(request.state, "request_id", "?"))
-        if isinstance(exc, EngineDeadError):
-            return error_response(503, "the engine is not running")
-        return error_response(500, "internal error; see the server log for this request id")
-
     def check_request(name: str, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens >= engine.engine.max_model_len:
             raise InvalidRequestError(
