@@ -76,7 +76,6 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.num_aborted_requests = 0
         self._seq_ids = SeqIdCounter()
-        self._arrivals = SeqIdCounter()
 
     def _pack_linears(self) -> str:
         """Choose the linear kernel: oneDNN's packed GEMM where it serves, else matmul."""
@@ -145,10 +144,11 @@ class LLMEngine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids),
+            seq_id = next(self._seq_ids)   # monotonic, so it doubles as the arrival order
+            seq = Sequence(seq_id, request_id, i, list(prompt_token_ids),
                            len(prompt_token_ids), params, prompt_embeds=prompt_embeds,
                            generator=gen, return_hidden_states=return_hidden_states,
-                           arrival=next(self._arrivals))
+                           arrival=seq_id)
             det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             samples.append(_Sample(seq, det))
         head = samples[0].seq
