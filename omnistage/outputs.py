@@ -27,8 +27,11 @@ class Delta:
     finish_reason: str | None = None    # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     hidden_states: torch.Tensor | None = None  # (new positions, hidden) if requested
+    input_embeds: torch.Tensor | None = None   # (new positions, width) with hidden_states
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    audio: np.ndarray | None = None     # new float32 PCM samples (speech-producing models)
+    sample_rate: int | None = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    suppress_token_ids: list[int] = field(default_factory=list)  # never sampled
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None        # None: none; k >= 0: sampled token's logprob + top-k
@@ -40,6 +41,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.suppress_token_ids = list(self.suppress_token_ids)
         self._check()
 
     def _check(self) -> None:
@@ -76,6 +78,8 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if any(not isinstance(t, int) or t < 0 for t in self.suppress_token_ids):
+            raise bad("suppress_token_ids", "must be a list of non-negative token ids")
 
     @property
     def greedy(self) -> bool:

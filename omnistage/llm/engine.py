@@ -20,7 +20,7 @@ from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
 from omnistage.llm.model_runner import ModelRunner, SampledToken
 from omnistage.llm.scheduler import Scheduler
-from omnistage.llm.sequence import SeqIdCounter, Sequence
+from omnistage.llm.sequence import EmbedFeed, SeqIdCounter, Sequence
 from omnistage.models.layers import onednn_linear_available, pack_linears
 from omnistage.models.loader import load_model, read_config
 from omnistage.outputs import Delta, TokenLogprob
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Sample:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None     # None when the engine has no tokenizer
     emitted: int = 0           # characters of detok.text already returned
 
 
@@ -49,17 +49,25 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
+                 tokenizer=None, eos_ids: set[int] | None = None):
+        """Serve `config.model`, or, when `model` is given (a part of a larger model already
+        loaded in config's dtype and device), serve that one with `tokenizer` (None: no text,
+        e.g. a codec-token stage) and `eos_ids`."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
-        hf_config = read_config(config.model)
-        self.dtype = config.torch_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"))
-        self.model = load_model(config.model, self.dtype, self.device)
+        if model is None:
+            hf_config = read_config(config.model)
+            self.dtype = config.torch_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"))
+            self.model = load_model(config.model, self.dtype, self.device)
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+            self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        else:
+            self.dtype = next(model.parameters()).dtype
+            self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, set(eos_ids or ())
         self.linear_kernel = self._pack_linears()
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self._max_model_len()
 
@@ -122,15 +130,21 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt_embeds: torch.Tensor | None = None,
-                    return_hidden_states: bool = False) -> None:
-        """Queue a request. With `prompt_embeds` (P, hidden), those vectors are the model's
-        input at the prompt positions and prompt_token_ids are placeholders (length P)."""
+                    return_hidden_states: bool = False,
+                    mrope_positions: torch.Tensor | None = None, position_delta: int = 0,
+                    embed_feed: EmbedFeed | None = None) -> None:
+        """Queue a request. With `prompt_embeds` (P, input width), those vectors are the
+        model's input at the prompt positions and prompt_token_ids are placeholders (length P)
+        that penalties still read. `mrope_positions` (3, P) and `position_delta` place a
+        multimodal prompt for models with 3-D RoPE; `embed_feed` streams vectors added to the
+        inputs of generated positions (steps wait for them)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        width = self.model.input_size
         if prompt_embeds is not None:
-            if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != self.model.config.hidden_size:
+            if prompt_embeds.dim() != 2 or prompt_embeds.shape[1] != width:
                 raise InvalidRequestError(
-                    f"prompt_embeds must have shape (num_tokens, {self.model.config.hidden_size}), "
+                    f"prompt_embeds must have shape (num_tokens, {width}), "
                     f"got {tuple(prompt_embeds.shape)}", param="prompt_embeds")
             if not prompt_token_ids:
                 prompt_token_ids = [0] * prompt_embeds.shape[0]
@@ -138,6 +152,9 @@ class LLMEngine:
                 raise InvalidRequestError(
                     f"prompt_token_ids ({len(prompt_token_ids)}) and prompt_embeds "
                     f"({prompt_embeds.shape[0]} rows) must have the same length", param="prompt_embeds")
+        if mrope_positions is not None and tuple(mrope_positions.shape) != (3, len(prompt_token_ids)):
+            raise InvalidRequestError(f"mrope_positions must have shape (3, {len(prompt_token_ids)}), "
+                                      f"got {tuple(mrope_positions.shape)}", param="mrope_positions")
         self._check_prompt(prompt_token_ids, prompt_embeds)
         samples = []
         for i in range(params.n):
@@ -147,9 +164,12 @@ class LLMEngine:
             seq_id = next(self._seq_ids)   # monotonic, so it doubles as the arrival order
             seq = Sequence(seq_id, request_id, i, list(prompt_token_ids),
                            len(prompt_token_ids), params, prompt_embeds=prompt_embeds,
-                           generator=gen, return_hidden_states=return_hidden_states,
-                           arrival=seq_id)
-            det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                           mrope_positions=mrope_positions, position_delta=position_delta,
+                           embed_feed=embed_feed, generator=gen,
+                           return_hidden_states=return_hidden_states, arrival=seq_id)
+            det = None
+            if self.tokenizer is not None:
+                det = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             samples.append(_Sample(seq, det))
         head = samples[0].seq
         head.fork_children = [s.seq for s in samples[1:]]
@@ -186,6 +206,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_ready_work(self) -> bool:
+        """Whether step() would compute anything now (fed sequences may wait for input)."""
+        return self.scheduler.has_ready_work()
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
         plan = self.scheduler.schedule()
@@ -193,12 +217,17 @@ class LLMEngine:
             return []
         result = self.runner.run(plan)
         self.scheduler.update(plan)
-        deltas = [self._on_token(st, result.hidden_states.pop(st.seq.seq_id, None))
-                  for st in result.sampled]
+        deltas = []
+        for st in result.sampled:
+            d = self._on_token(st, result.hidden_states.pop(st.seq.seq_id, None))
+            d.input_embeds = result.input_embeds.pop(st.seq.seq_id, None)
+            deltas.append(d)
         for chunk in plan.chunks:   # prefill chunks that sampled nothing but carry hidden states
             h = result.hidden_states.pop(chunk.seq.seq_id, None)
             if h is not None:
-                deltas.append(Delta(chunk.seq.request_id, chunk.seq.index, "", [], hidden_states=h))
+                deltas.append(Delta(chunk.seq.request_id, chunk.seq.index, "", [], hidden_states=h,
+                                    input_embeds=result.input_embeds.pop(chunk.seq.seq_id),
+                                    num_prompt_tokens=chunk.seq.num_prompt_tokens))
         return deltas
 
     def _on_token(self, st: SampledToken, hidden: torch.Tensor | None) -> Delta:
@@ -206,15 +235,17 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         sample = req.samples[seq.index]
         seq.token_ids.append(tok)
-        before = len(sample.detok.text)
-        sample.detok.push([tok])
-        text = sample.detok.text
+        detok = sample.detok
+        before = len(detok.text) if detok else 0
+        if detok:
+            detok.push([tok])
+        text = detok.text if detok else ""
         reason, stop_reason, end = self._check_stop(seq, tok, text, len(text) - before)
         if reason is None:
             end = max(sample.emitted, len(text) - req.hold_chars)
-        elif not isinstance(stop_reason, str):   # ended by a token: release held-back bytes
-            sample.detok.flush()
-            text = sample.detok.text
+        elif not isinstance(stop_reason, str) and detok:   # ended by a token: release held-back bytes
+            detok.flush()
+            text = detok.text
             end = len(text)
         delta = Delta(seq.request_id, seq.index, text[sample.emitted:end], [tok],
                       hidden_states=hidden, num_prompt_tokens=seq.num_prompt_tokens,

@@ -27,6 +27,8 @@ class StepResult:
     # seq_id -> (num_new_tokens, hidden) final-normed hidden states of the positions
     # computed this step, for sequences that asked for them.
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # seq_id -> (num_new_tokens, input width): the vectors that entered layer 0 there.
+    input_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -58,12 +60,21 @@ class ModelRunner:
         ids, positions, meta, rows = self._prepare(chunks)
         embeds = self.model.embed(ids)
         self._overlay_prompt_embeds(chunks, rows, embeds)
+        self._add_embed_feeds(chunks, rows, embeds)
+        if self.model.position_dims == 3:
+            positions = self._mrope_positions(chunks, positions)
         hidden = self.model(embeds, positions, self.caches, meta)
 
         result = StepResult(sampled=[])
         for chunk, (r0, r1) in zip(chunks, rows):
-            if chunk.seq.return_hidden_states:
-                result.hidden_states[chunk.seq.seq_id] = hidden[r0:r1]
+            seq = chunk.seq
+            # Each position's hidden state goes out once, even when a preempted sequence
+            # computes it again.
+            skip = max(0, seq.num_hidden_emitted - chunk.start)
+            if seq.return_hidden_states and r0 + skip < r1:
+                result.hidden_states[seq.seq_id] = hidden[r0 + skip:r1]
+                result.input_embeds[seq.seq_id] = embeds[r0 + skip:r1]
+                seq.num_hidden_emitted = chunk.start + chunk.num_new_tokens
         sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
         if sample_chunks:
             result.sampled = self._sample(hidden, sample_chunks)
@@ -145,6 +156,32 @@ class ModelRunner:
             end = min(c.start + c.num_new_tokens, c.seq.num_prompt_tokens)
             embeds[r0:r0 + end - c.start] = pe[c.start:end].to(embeds.device, embeds.dtype)
 
+    def _add_embed_feeds(self, chunks, rows, embeds: torch.Tensor) -> None:
+        """Generated positions of a fed sequence add the feed's vector to their embedding."""
+        for c, (r0, _) in zip(chunks, rows):
+            feed, p0 = c.seq.embed_feed, c.seq.num_prompt_tokens
+            if feed is None:
+                continue
+            first = max(c.start, p0)
+            for p in range(first, c.start + c.num_new_tokens):
+                embeds[r0 + p - c.start] += feed[p - p0].to(embeds.device, embeds.dtype)
+
+    def _mrope_positions(self, chunks, flat: torch.Tensor) -> torch.Tensor:
+        """(3, T) positions: a prompt's own 3-D positions where it has them, else the text
+        position p + position_delta on all three axes (plain prompts have delta 0)."""
+        out = flat.unsqueeze(0).repeat(3, 1)
+        r0 = 0
+        for c in chunks:
+            seq, n = c.seq, c.num_new_tokens
+            if seq.position_delta:
+                out[:, r0:r0 + n] += seq.position_delta
+            mp = seq.mrope_positions
+            if mp is not None and c.start < seq.num_prompt_tokens:
+                end = min(c.start + n, seq.num_prompt_tokens)
+                out[:, r0:r0 + end - c.start] = mp[:, c.start:end].to(out.device)
+            r0 += n
+        return out
+
     # ---- sampling -------------------------------------------------------------------------
     def _sample(self, hidden: torch.Tensor, sample_chunks) -> list[SampledToken]:
         last_rows = torch.tensor([r for _, r in sample_chunks], device=self.device)
@@ -174,10 +211,10 @@ class ModelRunner:
         banned = []
         for s in seqs:
             # Forked samples have not appended their first token yet: count from the prompt.
+            ban = set(s.params.suppress_token_ids)
             if s.num_output_tokens < s.params.min_tokens:
-                banned.append(sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
-            else:
-                banned.append([])
+                ban |= self.eos_token_ids | set(s.params.stop_token_ids)
+            banned.append(sorted(ban))
         return SamplingBatch(
             params=[s.params for s in seqs],
             generators=[s.generator for s in seqs],

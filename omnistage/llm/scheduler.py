@@ -56,6 +56,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_ready_work(self) -> bool:
+        """Whether a step would compute something (sequences whose embed feed lags behind
+        its producer sit out until it catches up)."""
+        return any(s.ready for s in self.running) or bool(self.waiting and self.waiting[0].ready)
+
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         budget = self.max_num_batched_tokens
@@ -66,6 +71,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not seq.ready:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             got = self.bm.allocate(seq, n)
             while got is None:  # out of blocks: preempt the youngest, maybe seq itself
@@ -83,7 +91,8 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences only when memory was not just short.
-        while not preempted and self.waiting and budget > 0 and self._seat_for(self.waiting[0]):
+        while (not preempted and self.waiting and budget > 0 and self.waiting[0].ready
+               and self._seat_for(self.waiting[0])):
             seq = self.waiting[0]
             hits = self.bm.match_prefix(seq)
             n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)

@@ -32,8 +32,16 @@ class Sequence:
     params: SamplingParams
     # (P, hidden) embeddings standing in for the prompt's token ids, or None.
     prompt_embeds: torch.Tensor | None = None
+    # Multimodal RoPE (Qwen2-VL / Qwen2.5-Omni): (3, P) positions of the prompt, and the
+    # offset that places generated position p (>= P) at p + position_delta on all 3 axes.
+    mrope_positions: torch.Tensor | None = None
+    position_delta: int = 0
+    # Vectors added to the token embedding of generated positions, arriving while the
+    # sequence runs (the talker's view of the thinker's reply); None for plain models.
+    embed_feed: "EmbedFeed | None" = None
     generator: torch.Generator | None = None  # per-request seeded generator
     return_hidden_states: bool = False
+    num_hidden_emitted: int = 0              # positions whose hidden states went out (once each)
     arrival: int = 0                         # admission order; lower = older = higher priority
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
@@ -68,9 +76,41 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def ready(self) -> bool:
+        """Whether every input of the positions still to compute is known (an embed feed may
+        lag behind: then the sequence sits out steps until its producer catches up)."""
+        if self.embed_feed is None:
+            return True
+        return self.embed_feed.available(self.num_tokens - 1 - self.num_prompt_tokens)
+
+    @property
     def cacheable(self) -> bool:
-        """Prefix caching keys blocks by token ids, which embedding prompts do not have."""
-        return self.prompt_embeds is None
+        """Prefix caching keys blocks by token ids, which embedding prompts do not have; and a
+        cache hit would skip positions whose hidden states were asked for."""
+        return self.prompt_embeds is None and not self.return_hidden_states
+
+
+class EmbedFeed:
+    """A stream of (hidden,) vectors for generated positions: vector k is added to the input
+    embedding at position num_prompt_tokens + k. Once `fill` is set, indices past the pushed
+    vectors read it (e.g. a padding embedding repeated after the producer finished)."""
+
+    def __init__(self) -> None:
+        self._vectors: list[torch.Tensor] = []
+        self.fill: torch.Tensor | None = None
+
+    def push(self, vectors: torch.Tensor) -> None:
+        """Append (n, hidden) vectors."""
+        self._vectors.extend(vectors.unbind(0))
+
+    def available(self, k: int) -> bool:
+        return k < 0 or k < len(self._vectors) or self.fill is not None
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        return self._vectors[k] if k < len(self._vectors) else self.fill
+
+    def __len__(self) -> int:
+        return len(self._vectors)
 
 
 class SeqIdCounter:

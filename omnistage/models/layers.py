@@ -98,7 +98,8 @@ class RotaryEmbedding:
     real device while parameters are still on the meta device.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device | str):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device | str,
+                 mrope_section: tuple[int, ...] | None = None):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (theta ** exponents)                          # (D/2,)
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # (P, D/2)
@@ -106,11 +107,25 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
+        # Multimodal RoPE: frequency j takes its angle from axis t, h or w by section
+        # (sections sum to D/2; both halves of the rotate-half layout share the axis).
+        self.axis_of_column: torch.Tensor | None = None
+        if mrope_section is not None:
+            if sum(mrope_section) != head_dim // 2:
+                raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim/2 = {head_dim // 2}")
+            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            self.axis_of_column = torch.cat((axis, axis)).to(device)      # (D,)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (T, 1, D), for positions (T,). Done once per step, not per layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        """(cos, sin), each (T, 1, D), for positions (T,) or, with mrope, (3, T).
+        Done once per step, not per layer."""
+        if positions.dim() == 1:
+            return (self.cos[positions].unsqueeze(1).to(dtype),
+                    self.sin[positions].unsqueeze(1).to(dtype))
+        index = self.axis_of_column.expand(1, positions.shape[1], -1)     # (1, T, D)
+        cos = self.cos[positions].gather(0, index)                        # (1, T, D)
+        sin = self.sin[positions].gather(0, index)
+        return cos.transpose(0, 1).to(dtype), sin.transpose(0, 1).to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

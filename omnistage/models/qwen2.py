@@ -31,6 +31,7 @@ class Qwen2Config:
     rope_theta: float
     tie_word_embeddings: bool
     hidden_act: str = "silu"
+    mrope_section: tuple[int, ...] | None = None   # multimodal RoPE sections (t, h, w)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Qwen2Config":
@@ -52,6 +53,7 @@ class Qwen2Config:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None,
         )
 
 
@@ -104,6 +106,9 @@ class Qwen2ForCausalLM(nn.Module):
     """Parameters start on the meta device; the loader materialises and fills them."""
 
     config_class = Qwen2Config
+    # Checkpoint names: "<prefix>model.layers..." and "<lm_head>.weight".
+    weight_prefix = ""
+    lm_head_name = "lm_head"
 
     def __init__(self, c: Qwen2Config, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -115,7 +120,10 @@ class Qwen2ForCausalLM(nn.Module):
         # Tied models keep a transposed copy of the embedding: the lm_head matmul is the
         # largest single read of a decode step and wants the fast layout.
         self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype)
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device,
+                                    c.mrope_section)
+        # 3: positions are (3, T) multimodal RoPE rows (t, h, w); 1: plain (T,) positions.
+        self.position_dims = 3 if c.mrope_section else 1
 
     # ---- the engine-facing interface ------------------------------------------------------
     @property
@@ -123,6 +131,11 @@ class Qwen2ForCausalLM(nn.Module):
         """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
         c = self.config
         return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+
+    @property
+    def input_size(self) -> int:
+        """Width of the vectors forward() takes (prompt embeddings must match it)."""
+        return self.config.hidden_size
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) ids -> (T, hidden)."""
@@ -151,6 +164,7 @@ class Qwen2ForCausalLM(nn.Module):
         loaded: set[str] = set()
         params = dict(self.named_parameters())
         for name, w in weights:
+            name = self._local_name(name)
             if name == "model.embed_tokens.weight":
                 self._copy(self.embed_tokens, w)
                 loaded.add("embed_tokens")
@@ -178,6 +192,17 @@ class Qwen2ForCausalLM(nn.Module):
             else:
                 raise KeyError(name)
         return loaded
+
+    def _local_name(self, name: str) -> str:
+        """Checkpoint name -> the plain Qwen2 name ("model.…" / "lm_head.weight"); names
+        outside this model raise KeyError."""
+        if name == f"{self.lm_head_name}.weight":
+            return "lm_head.weight"
+        if self.weight_prefix:
+            if not name.startswith(self.weight_prefix):
+                raise KeyError(name)
+            return name[len(self.weight_prefix):]
+        return name
 
     def expected_loads(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""

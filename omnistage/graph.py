@@ -1,0 +1,104 @@
+"""StageGraph: a model's stages wired by its recipe's edges, run in this process.
+
+It is an engine like LLMEngine (add_request / step / abort_request), so Omni and AsyncOmni
+drive either one the same way. Each `step()` steps every stage that has work, upstream first,
+and routes what they emit along the recipe's edges at once: a chunk moves on in the same
+step it was made, so stages overlap within a request and across requests.
+
+The recipe's router is the only model-specific part: it turns a request into the first
+stage messages, and each stage output into messages for downstream stages and deltas for
+the client. The graph checks every routed message against the declared edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from omnistage.errors import InvalidRequestError
+from omnistage.outputs import Delta
+from omnistage.stages.base import Stage, StageOutput
+
+CLIENT = "client"     # the edge target that means "back to the caller"
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str          # a stage name or CLIENT
+
+
+class Router(Protocol):
+    edges: list[Edge]
+
+    def start(self, request: Any) -> list[tuple[str, Any]]:
+        """(stage, message) pairs that begin a request (the router keeps its state)."""
+
+    def route(self, out: StageOutput) -> list[tuple[str, Any]]:
+        """(stage or CLIENT, message) pairs for one stage output; CLIENT messages are Deltas."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request's routing state (finished or aborted)."""
+
+    def unfinished(self) -> set[str]:
+        """Requests the router still tracks."""
+
+
+class StageGraph:
+    def __init__(self, stages: list[Stage], router: Router):
+        self.stages = {s.name: s for s in stages}     # insertion order = upstream first
+        self.router = router
+        names = set(self.stages) | {CLIENT}
+        bad = [e for e in router.edges if e.src not in self.stages or e.dst not in names]
+        if bad:
+            raise ValueError(f"edges name unknown stages: {bad}; stages: {sorted(self.stages)}")
+        self._allowed = {(e.src, e.dst) for e in router.edges}
+        self.num_aborted_requests = 0
+
+    # ---- the engine interface ------------------------------------------------------------
+    @property
+    def requests(self) -> set[str]:
+        return self.router.unfinished()
+
+    def add_request(self, request_id: str, request: Any) -> None:
+        if request_id in self.router.unfinished():
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        for dst, msg in self.router.start(request):
+            self._deliver("<entry>", dst, msg, [])
+
+    def step(self) -> list[Delta]:
+        deltas: list[Delta] = []
+        for stage in self.stages.values():
+            if not stage.has_work():
+                continue
+            for out in stage.step():
+                for dst, msg in self.router.route(out):
+                    self._deliver(stage.name, dst, msg, deltas)
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.router.unfinished())
+
+    def has_work(self) -> bool:
+        return any(s.has_work() for s in self.stages.values())
+
+    def abort_request(self, request_id: str) -> list[Delta]:
+        if request_id not in self.router.unfinished():
+            return []
+        for stage in self.stages.values():
+            stage.abort(request_id)
+        self.router.forget(request_id)
+        self.num_aborted_requests += 1
+        return [Delta(request_id, 0, "", [], finished=True, finish_reason="abort")]
+
+    # ---- routing --------------------------------------------------------------------------
+    def _deliver(self, src: str, dst: str, msg: Any, deltas: list[Delta]) -> None:
+        if src != "<entry>" and (src, dst) not in self._allowed:
+            raise RuntimeError(f"recipe routed {type(msg).__name__} along {src} -> {dst}, "
+                               f"which is not a declared edge")
+        if dst == CLIENT:
+            deltas.append(msg)
+            if msg.finished:
+                self.router.forget(msg.request_id)
+        else:
+            self.stages[dst].add(msg)

@@ -1,0 +1,1 @@
+"""Stages: the units a model's recipe wires into a graph (encoders, AR engines, vocoders)."""

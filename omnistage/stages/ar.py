@@ -1,0 +1,113 @@
+"""The AR stage: an LLMEngine (paged KV, continuous batching) behind the Stage protocol.
+
+Several AR stages (thinker, talker) may live in one process, each with its own engine and KV
+pool. A fed request (the talker) receives vectors for its generated positions while it runs;
+its steps wait for them (see Sequence.embed_feed).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from omnistage.llm.engine import LLMEngine
+from omnistage.llm.sequence import EmbedFeed
+from omnistage.sampling_params import SamplingParams
+from omnistage.stages.base import StageOutput
+
+
+class ARRequest(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # (P, input width): replaces the token embeddings of the prompt. Or, with mm_positions,
+    # the rows (N, width) that replace the token embeddings at those prompt positions.
+    prompt_embeds: torch.Tensor | None = None
+    mm_positions: list[int] | None = None
+    mrope_positions: torch.Tensor | None = None   # (3, P) int64
+    position_delta: int = 0
+    return_hidden_states: bool = False     # emit hidden states + input embeddings per step
+    fed: bool = False                      # generated positions wait for ARFeed vectors
+
+
+class ARFeed(msgspec.Struct):
+    """More vectors for a fed request; `fill` (once set) stands in for every later position."""
+
+    request_id: str
+    vectors: torch.Tensor | None = None    # (n, input width)
+    fill: torch.Tensor | None = None       # (input width,)
+
+
+class ARStepOutput(msgspec.Struct):
+    """What one engine step produced for one request (sample 0)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    # Rows for the positions computed this step (prompt chunk, or the previous token).
+    hidden_states: torch.Tensor | None = None   # (n, hidden) final-normed
+    input_embeds: torch.Tensor | None = None    # (n, input width) what went into layer 0
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class ARStage:
+    def __init__(self, name: str, engine: LLMEngine):
+        self.name = name
+        self.engine = engine
+        self._feeds: dict[str, EmbedFeed] = {}
+
+    def add(self, message: ARRequest | ARFeed) -> None:
+        if isinstance(message, ARFeed):
+            feed = self._feeds.get(message.request_id)
+            if feed is None:          # aborted or finished meanwhile
+                return
+            if message.vectors is not None:
+                feed.push(message.vectors)
+            if message.fill is not None:
+                feed.fill = message.fill
+            return
+        embeds = message.prompt_embeds
+        if message.mm_positions is not None:
+            embeds = self._merge(message)
+        feed = EmbedFeed() if message.fed else None
+        self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                prompt_embeds=embeds,
+                                return_hidden_states=message.return_hidden_states,
+                                mrope_positions=message.mrope_positions,
+                                position_delta=message.position_delta, embed_feed=feed)
+        if feed is not None:
+            self._feeds[message.request_id] = feed
+
+    def _merge(self, m: ARRequest) -> torch.Tensor:
+        """Token embeddings of the prompt with the multimodal rows put at their positions."""
+        model = self.engine.model
+        ids = torch.tensor(m.prompt_token_ids, device=self.engine.device)
+        with torch.inference_mode():
+            embeds = model.embed(ids).clone()
+        pos = torch.tensor(m.mm_positions, dtype=torch.int64, device=embeds.device)
+        embeds[pos] = m.prompt_embeds.to(embeds.device, embeds.dtype)
+        return embeds
+
+    def step(self) -> list[StageOutput]:
+        out = []
+        for d in self.engine.step():
+            if d.index != 0:
+                continue
+            if d.finished:
+                self._feeds.pop(d.request_id, None)
+            out.append(StageOutput(self.name, d.request_id, ARStepOutput(
+                d.request_id, d.token_ids, d.text, d.hidden_states, d.input_embeds,
+                d.finished, d.finish_reason, d.num_prompt_tokens)))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self._feeds.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_ready_work()
+
+    def num_requests(self) -> int:
+        return len(self.engine.requests)

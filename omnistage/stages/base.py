@@ -1,0 +1,42 @@
+"""The one protocol every stage kind implements, and the envelope of what stages emit.
+
+A stage owns its batching: `add` queues work for a request, `step` advances everything it
+can in one batched pass and returns what came out, `abort` drops a request and frees what it
+held. `has_work` says whether `step` would compute anything now (a stage waiting for input
+from upstream has none). Stages never import each other: the graph routes their outputs
+along the recipe's edges.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+
+class StageOutput(msgspec.Struct):
+    """One message a stage emitted for one request; `payload` is the stage's own type."""
+
+    stage: str
+    request_id: str
+    payload: Any
+
+
+@runtime_checkable
+class Stage(Protocol):
+    name: str
+
+    def add(self, message: Any) -> None:
+        """Queue input for a request (a new request, or more input for a running one)."""
+
+    def step(self) -> list[StageOutput]:
+        """Advance all queued work by one batched pass."""
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request and free everything it holds (unknown ids are ignored)."""
+
+    def has_work(self) -> bool:
+        """Whether step() would compute something now."""
+
+    def num_requests(self) -> int:
+        """Requests the stage holds (running or waiting for input); 0 after all finished."""
