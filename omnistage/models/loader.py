@@ -88,19 +88,27 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot use it ({e!r})") from e
     model = cls(config, dtype=dtype, device=device)
     model.to_empty(device=device)
+    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), warn_unused=True)
+    return model.eval()
 
+
+def fill_model(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], where: str,
+               warn_unused: bool = False) -> None:
+    """Feed checkpoint tensors to an engine model's load_weights; check it got all it needs.
+    Tensors the model does not use (KeyError) are skipped: logged when `warn_unused`."""
     loaded: set[str] = set()
-    weights = iter_weights(safetensors_files(model_dir))
     with torch.no_grad():
         for name, tensor in weights:
             try:
                 loaded |= model.load_weights([(name, tensor)])
             except KeyError:
-                log.warning("ignoring checkpoint tensor %s (not used by %s)", name, cls.__name__)
+                if warn_unused:
+                    log.warning("ignoring checkpoint tensor %s (not used by %s)", name,
+                                type(model).__name__)
             except ValueError as e:
                 raise CheckpointError(f"checkpoint tensor {name}: {e}") from e
     missing = model.expected_loads() - loaded
     if missing:
-        raise CheckpointError(f"{model_dir} lacks weights for {len(missing)} parameters, "
-                              f"e.g. {sorted(missing)[:5]}; the checkpoint is incomplete")
-    return model.eval()
+        raise CheckpointError(f"{where} lacks weights for {len(missing)} parameters of "
+                              f"{type(model).__name__}, e.g. {sorted(missing)[:5]}; the checkpoint "
+                              f"is incomplete")

@@ -13,5 +13,8 @@ class Qwen2_5OmniThinkerLM(Qwen2ForCausalLM):
 
     @staticmethod
     def config_from_omni(cfg: dict) -> Qwen2Config:
-        """The text model's config out of the whole model's config.json."""
-        return Qwen2Config.from_hf(cfg["thinker_config"]["text_config"])
+        """The text model's config out of the whole model's config.json. Tying follows the
+        thinker's own flag (as transformers' thinker does), not its text_config's."""
+        th = cfg["thinker_config"]
+        return Qwen2Config.from_hf({**th["text_config"],
+                                    "tie_word_embeddings": th.get("tie_word_embeddings", False)})
