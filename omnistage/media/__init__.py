@@ -1,0 +1,1 @@
+"""Media inputs: decoding audio, images and video from request bytes into arrays."""
