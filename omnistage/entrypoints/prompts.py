@@ -70,6 +70,16 @@ def parse_prompt(prompt, tokenizer) -> ParsedPrompt:
 
 
 def _chat(messages: list, tokenizer) -> ParsedPrompt:
+    check_messages(messages, media_types=())
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return ParsedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_messages(messages, media_types: tuple[str, ...]) -> None:
+    """Validate a chat: roles, content shapes, valid Unicode; content parts other than text
+    must have a type in `media_types` (empty: the model takes text only)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise InvalidRequestError(f"message {i} must be a dict with 'role' and 'content'",
@@ -87,13 +97,12 @@ def _chat(messages: list, tokenizer) -> ParsedPrompt:
         for part in content if isinstance(content, list) else []:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 _check_text(part["text"], f"messages[{i}].content")
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if not isinstance(part, dict) or (kind != "text" and kind not in media_types):
+                takes = f"text, {', '.join(media_types)}" if media_types else "text only"
                 raise InvalidRequestError(
-                    f"message {i} has a content part of type {kind!r}; this model takes text only",
+                    f"message {i} has a content part of type {kind!r}; this model takes {takes}",
                     param=f"messages[{i}].content")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return ParsedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 
 def params_for(sampling_params, count: int) -> list[SamplingParams]:
