@@ -84,4 +84,5 @@ def bridge_constants(parts: OmniParts) -> BridgeConstants:
         text_eos_embed=row(th, t.text_eos), text_pad_embed=row(th, t.text_pad),
         speaker_bos={n: s.bos_token for n, s in parts.speakers.items()},
         speaker_bos_embed={n: row(th, s.bos_token) for n, s in parts.speakers.items()},
-        codec_bos_embed=row(tk, t.codec_bos), codec_pad_embed=row(tk, t.codec_pad))
+        codec_bos_embed=row(tk, t.codec_bos) if tk is not None else None,
+        codec_pad_embed=row(tk, t.codec_pad) if tk is not None else None)

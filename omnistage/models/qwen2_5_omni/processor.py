@@ -88,7 +88,10 @@ class OmniProcessor:
                                  audios=[a[1] for a in audios], images=[i[1] for i in images],
                                  videos=[v[1] for v in videos], tokenizer=self.tokenizer)
         pos = mrope_positions(expanded.token_ids, expanded.media, self.layout)
-        media = [a[0] for a in audios] + [i[0] for i in images] + [v[0] for v in videos]
+        # Media in prompt order, so each modality's encoder rows line up with its placeholders
+        # (a video's own audio sits where the video is).
+        by_item = {id(item): inp for inp, item in audios + images + videos}
+        media = [by_item[id(item)] for item in expanded.media]
         return ProcessedPrompt(text, expanded.token_ids, media, pos, talker_prompt_positions(pos))
 
     # ---- chat -----------------------------------------------------------------------------

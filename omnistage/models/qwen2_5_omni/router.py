@@ -38,8 +38,8 @@ class BridgeConstants:
     text_pad_embed: torch.Tensor
     speaker_bos: dict[str, int]           # speaker -> thinker token id of its text bos
     speaker_bos_embed: dict[str, torch.Tensor]
-    codec_bos_embed: torch.Tensor         # (H,) talker codec embedding rows
-    codec_pad_embed: torch.Tensor
+    codec_bos_embed: torch.Tensor | None  # (H,) talker codec embedding rows (None: no talker)
+    codec_pad_embed: torch.Tensor | None
 
 
 @dataclass
@@ -60,12 +60,13 @@ class _Flow:
 
 
 class OmniRouter:
-    edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT), Edge("thinker", "talker"),
-             Edge("talker", "token2wav"), Edge("token2wav", CLIENT)]
-
-    def __init__(self, consts: BridgeConstants):
+    def __init__(self, consts: BridgeConstants, audio_output: bool = True):
         self.c = consts
         self.flows: dict[str, _Flow] = {}
+        self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
+        if audio_output:
+            self.edges += [Edge("thinker", "talker"), Edge("talker", "token2wav"),
+                           Edge("token2wav", CLIENT)]
 
     def unfinished(self) -> set[str]:
         return set(self.flows)

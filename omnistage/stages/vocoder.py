@@ -1,0 +1,89 @@
+"""The vocoder stage: codec tokens in, PCM chunks out, many requests per batched pass.
+
+Each request owns a Token2WavStream (bounded state: the codes and mel its next window needs).
+A step decodes one chunk of every stream that has enough codes (chunk + look-ahead, or the
+tail once the talker finished) in one batched ODE solve, so a request's first audio comes
+after its first chunk of codes, not after the whole answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
+from omnistage.models.qwen2_5_omni.token2wav import (StreamConfig, Token2Wav, Token2WavStream,
+                                                     step_streams)
+from omnistage.stages.base import StageOutput
+
+
+@dataclass
+class VocoderSettings:
+    steps: int = 10                      # ODE steps (RK4) per chunk
+    guidance_scale: float = 0.5
+    stream: StreamConfig | None = None   # None: the DiT's own block reach (StreamConfig.for_dit)
+    seed: int = 0                        # noise of request i: Generator seeded seed + i
+
+
+class VocoderStage:
+    def __init__(self, name: str, model: Token2Wav, speakers: dict, settings: VocoderSettings,
+                 noise_for: Callable[[str], torch.Tensor | torch.Generator] | None = None):
+        """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
+        (tests) gives a request's ODE start noise; default: a seeded generator per request."""
+        self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
+        self.noise_for = noise_for
+        self._streams: dict[str, Token2WavStream] = {}
+        self._count = 0
+        self.sample_rate = 24000
+
+    def _open(self, rid: str, speaker: str) -> Token2WavStream:
+        spk = self.speakers[speaker]
+        if self.noise_for is not None:
+            noise = self.noise_for(rid)
+        else:
+            noise = torch.Generator(device=self.model.device).manual_seed(self.settings.seed + self._count)
+        self._count += 1
+        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.settings.stream,
+                               steps=self.settings.steps, guidance_scale=self.settings.guidance_scale)
+
+    def add(self, chunk: CodecChunk) -> None:
+        s = self._streams.get(chunk.request_id)
+        if s is None:
+            s = self._streams[chunk.request_id] = self._open(chunk.request_id, chunk.speaker)
+        if chunk.codes:
+            s.feed(chunk.codes)
+        if chunk.finished:
+            s.finishing = True
+
+    def step(self) -> list[StageOutput]:
+        rids = list(self._streams)
+        streams = [self._streams[r] for r in rids]
+        with torch.inference_mode():
+            pcm = step_streams(streams)
+        out = []
+        for rid, s, p in zip(rids, streams, pcm):
+            done = s.finishing and s.next == s.received
+            if p is None and not done:
+                continue
+            pieces = [p] if p is not None else []
+            if done:   # flush the vocoder's held-back tail (a no-op if the last chunk did)
+                with torch.inference_mode():
+                    pieces += s.finish()
+            samples = torch.cat(pieces).float().cpu() if pieces else torch.zeros(0)
+            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done)))
+            if done:
+                self.abort(rid)
+        return out
+
+    def abort(self, request_id: str) -> None:
+        s = self._streams.pop(request_id, None)
+        if s is not None:
+            s.close()
+
+    def has_work(self) -> bool:
+        return any(s.ready() or (s.finishing and s.next == s.received) for s in self._streams.values())
+
+    def num_requests(self) -> int:
+        return len(self._streams)
