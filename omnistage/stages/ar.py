@@ -84,10 +84,10 @@ class ARStage:
         """Token embeddings of the prompt with the multimodal rows put at their positions."""
         model = self.engine.model
         ids = torch.tensor(m.prompt_token_ids, device=self.engine.device)
+        pos = torch.tensor(m.mm_positions, dtype=torch.int64, device=ids.device)
         with torch.inference_mode():
             embeds = model.embed(ids).clone()
-        pos = torch.tensor(m.mm_positions, dtype=torch.int64, device=embeds.device)
-        embeds[pos] = m.prompt_embeds.to(embeds.device, embeds.dtype)
+            embeds[pos] = m.prompt_embeds.to(embeds.device, embeds.dtype)
         return embeds
 
     def step(self) -> list[StageOutput]:

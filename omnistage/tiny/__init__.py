@@ -12,9 +12,10 @@ from typing import Any
 
 from omnistage.errors import InvalidRequestError
 from omnistage.tiny.qwen2 import QWEN2
+from omnistage.tiny.qwen2_5_omni import QWEN2_5_OMNI
 from omnistage.tiny.spec import DEFAULT_MAX_SHARD_SIZE, TinyArch, TinyBuildOptions
 
-TINY_ARCHS: Mapping[str, TinyArch] = {arch.name: arch for arch in (QWEN2,)}
+TINY_ARCHS: Mapping[str, TinyArch] = {arch.name: arch for arch in (QWEN2, QWEN2_5_OMNI)}
 SUPPORTED_TINY_ARCHS: tuple[str, ...] = tuple(TINY_ARCHS)
 
 

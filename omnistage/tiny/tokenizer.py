@@ -7,19 +7,20 @@ NFC, ByteLevel) is taken from `transformers.Qwen2Tokenizer` itself, so the train
 the wrapper that applies them can never disagree.
 
 Layout of the ids, like real Qwen: the byte alphabet and merges first, then `<|endoftext|>`,
-`<|im_start|>`, `<|im_end|>`, then any extra special tokens. The tokenizer's length equals the
-requested vocab size when it can be reached (always, for sizes up to a few ten thousands);
-otherwise the largest size training reached (see `train_byte_bpe`).
+`<|im_start|>`, `<|im_end|>`, then any extra added tokens in the order given (special ones as
+`str`; an `AddedToken(..., special=False)` is a plain added token, like Qwen's `<tool_call>`).
+The tokenizer's length equals the requested vocab size when it can be reached (always, for sizes
+up to a few ten thousands); otherwise the largest size training reached (see `train_byte_bpe`).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import Qwen2Tokenizer
 
 from omnistage.errors import InvalidRequestError
@@ -48,6 +49,45 @@ CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{{- render_content(message['content']) -}}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# Qwen2.5-Omni's template, rendering the same text as the real checkpoint's: ChatML with a default
+# system turn; a list content renders its parts in order: text as is, each audio part as
+# `<|audio_bos|><|AUDIO|><|audio_eos|>`, each image as `<|vision_bos|><|IMAGE|><|vision_eos|>`,
+# each video as `<|vision_bos|><|VIDEO|><|vision_eos|>` (the processor later repeats the
+# AUDIO/IMAGE/VIDEO placeholder once per encoder output). A part is recognised by its OpenAI
+# `type` (text, input_audio, audio, audio_url, image, image_url, video, video_url) or, as in the
+# real template, by holding such a key. `add_audio_id` / `add_vision_id` prefix "Audio N: ",
+# "Picture N: ", "Video N: " as Qwen does.
+OMNI_CHAT_TEMPLATE = (
+    "{%- set seen = namespace(audio=0, image=0, video=0) -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] is not none -%}{%- for part in message['content'] -%}"
+    "{%- set kind = part['type'] if 'type' in part else '' -%}"
+    "{%- if kind in ('image', 'image_url') or 'image' in part or 'image_url' in part -%}"
+    "{%- set seen.image = seen.image + 1 -%}"
+    "{%- if add_vision_id -%}{{- 'Picture ' + seen.image|string + ': ' -}}{%- endif -%}"
+    "{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' -}}"
+    "{%- elif kind in ('audio', 'input_audio', 'audio_url') or 'audio' in part or 'input_audio' in part"
+    " or 'audio_url' in part -%}"
+    "{%- set seen.audio = seen.audio + 1 -%}"
+    "{%- if add_audio_id -%}{{- 'Audio ' + seen.audio|string + ': ' -}}{%- endif -%}"
+    "{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' -}}"
+    "{%- elif kind in ('video', 'video_url') or 'video' in part or 'video_url' in part -%}"
+    "{%- set seen.video = seen.video + 1 -%}"
+    "{%- if add_vision_id -%}{{- 'Video ' + seen.video|string + ': ' -}}{%- endif -%}"
+    "{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' -}}"
+    "{%- elif 'text' in part -%}{{- part['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -123,28 +163,39 @@ def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str
 
 def build_qwen_tokenizer(
     vocab_size: int,
-    extra_special_tokens: Sequence[str] = (),
+    extra_special_tokens: Sequence[str | AddedToken] = (),
     model_max_length: int = 32768,
+    *,
+    named_tokens: Mapping[str, str] | None = None,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> Qwen2Tokenizer:
-    """A `Qwen2Tokenizer` of `vocab_size` ids in total, special tokens included.
+    """A `Qwen2Tokenizer` of `vocab_size` ids in total, added tokens included.
 
     `<|im_end|>` is the eos token (as in Qwen2-Instruct) and `<|endoftext|>` the pad token;
-    there is no bos token. The ChatML template is set as `chat_template`.
+    there is no bos token. `extra_special_tokens` take the ids after `<|im_end|>`, in order; an
+    `AddedToken` with `special=False` among them is added as a plain (non-special) token.
+    `named_tokens` maps attribute names to tokens (e.g. {"audio_token": "<|AUDIO|>"} gives
+    `tokenizer.audio_token` / `tokenizer.audio_token_id`, as multimodal processors expect).
     """
-    specials = list(dict.fromkeys([*QWEN_SPECIAL_TOKENS, *extra_special_tokens]))  # ordered, no duplicates
-    smallest = BYTE_ALPHABET_SIZE + len(specials)
+    plain = [t.content for t in extra_special_tokens if isinstance(t, AddedToken) and not t.special]
+    names = [t.content if isinstance(t, AddedToken) else t for t in extra_special_tokens]
+    added = list(dict.fromkeys([*QWEN_SPECIAL_TOKENS, *names]))  # ordered, no duplicates
+    smallest = BYTE_ALPHABET_SIZE + len(added)
     if vocab_size < smallest:
         raise InvalidRequestError(
             f"vocab_size {vocab_size} is too small for a byte-level tokenizer: use at least {smallest} "
-            f"(256 byte tokens + {len(specials)} special tokens)",
+            f"(256 byte tokens + {len(added)} special tokens)",
             param="vocab_size",
         )
-    vocab, merges = train_byte_bpe(vocab_size - len(specials))
+    vocab, merges = train_byte_bpe(vocab_size - len(added))
     base = len(vocab)
-    # Placing the specials in the vocab ourselves fixes their ids (Qwen's order); the wrapper
+    # Placing the added tokens in the vocab ourselves fixes their ids (Qwen's order); the wrapper
     # would otherwise append them in the order it happens to register them.
-    vocab.update({token: base + i for i, token in enumerate(specials)})
-    return Qwen2Tokenizer(
+    vocab.update({token: base + i for i, token in enumerate(added)})
+    specials = [t for t in added if t not in plain]
+    # Named tokens only when given: the plain qwen2 build must keep writing identical files.
+    named = {"model_specific_special_tokens": dict(named_tokens)} if named_tokens else {}
+    tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=merges,
         eos_token=IM_END,
@@ -153,5 +204,10 @@ def build_qwen_tokenizer(
         extra_special_tokens=specials[1:],
         clean_up_tokenization_spaces=False,  # decode must be a pure function of the bytes
         model_max_length=model_max_length,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=chat_template,
+        **named,
     )
+    if plain:
+        # Already in the vocab, so they keep their ids; registering them makes "<tool_call>" one token.
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    return tokenizer

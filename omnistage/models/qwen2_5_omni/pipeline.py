@@ -43,10 +43,18 @@ log = logging.getLogger(__name__)
 ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
 
 
-def default_talker_params(stop_ids: list[int], codec_bos: int) -> SamplingParams:
-    """transformers' Qwen2.5-Omni generate() defaults for the talker."""
-    return SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
-                          max_tokens=4096, suppress_token_ids=[codec_bos])
+def default_talker_params(model_dir: Path, codec_bos: int) -> SamplingParams:
+    """transformers' Qwen2.5-Omni generate() defaults for the talker, overridden by
+    generation_config.json's `talker_*` keys where it has them."""
+    gen_file = model_dir / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    do_sample = gen.get("talker_do_sample", True)
+    return SamplingParams(
+        temperature=gen.get("talker_temperature", 0.9) if do_sample else 0.0,
+        top_k=gen.get("talker_top_k", 40), top_p=gen.get("talker_top_p", 0.8),
+        repetition_penalty=gen.get("talker_repetition_penalty", 1.05),
+        max_tokens=gen.get("talker_max_new_tokens", 4096),
+        min_tokens=gen.get("talker_min_new_tokens", 0), suppress_token_ids=[codec_bos])
 
 
 @dataclass
@@ -79,6 +87,7 @@ class Qwen2_5OmniPipeline:
                             eos_token_ids(config.model, self.tokenizer))
         stages.append(ARStage("thinker", thinker))
         self.talker_stop = self.parts.tokens.stop_ids
+        self.talker_defaults = default_talker_params(model_dir, self.parts.tokens.codec_bos)
         if audio_out:
             # The talker's own engine: no text, stops on the codec stop ids, no prefix cache
             # (its prompts are embeddings).
@@ -117,8 +126,7 @@ class Qwen2_5OmniPipeline:
             raise InvalidRequestError(f"unknown voice {speaker!r}; choose one of {self.speakers}",
                                       param="voice")
         if want_audio:
-            talker_params = talker_params or default_talker_params(
-                self.talker_stop, self.parts.tokens.codec_bos)
+            talker_params = talker_params or self.talker_defaults
             if self.parts.tokens.codec_bos not in talker_params.suppress_token_ids:
                 talker_params = replace(talker_params, suppress_token_ids=[
                     *talker_params.suppress_token_ids, self.parts.tokens.codec_bos])

@@ -53,6 +53,7 @@ class ProcessedPrompt:
     media: list[MediaInput]
     positions: MRopePositions
     talker_positions: MRopePositions
+    items: tuple = ()              # the rope-index media descriptors, in prompt order
 
 
 class OmniProcessor:
@@ -92,7 +93,8 @@ class OmniProcessor:
         # (a video's own audio sits where the video is).
         by_item = {id(item): inp for inp, item in audios + images + videos}
         media = [by_item[id(item)] for item in expanded.media]
-        return ProcessedPrompt(text, expanded.token_ids, media, pos, talker_prompt_positions(pos))
+        return ProcessedPrompt(text, expanded.token_ids, media, pos, talker_prompt_positions(pos),
+                               expanded.media)
 
     # ---- chat -----------------------------------------------------------------------------
     @staticmethod

@@ -1,0 +1,194 @@
+"""Qwen2.5-Omni BigVGAN vocoder: log-mel (B, mel_dim, F) -> waveform (B, F * hop) at 24 kHz.
+
+Built from `Qwen2_5OmniBigVGANConfig`; parameter names equal the checkpoint's names under
+`token2wav.code2wav_bigvgan_model.`. The network is purely convolutional, so a window of mel
+frames with `receptive_field()` frames of context on each side gives, after cropping, the same
+samples as a run over the whole utterance (the streaming vocoder relies on it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
+RESAMPLE_RATIO = 2
+RESAMPLE_TAPS = 12
+
+
+def kaiser_sinc(cutoff: float, half_width: float, taps: int, device: torch.device) -> torch.Tensor:
+    """Low-pass FIR (taps,) with unit DC gain: sinc at `cutoff` (cycles/sample) under a Kaiser
+    window whose beta follows Kaiser's formula for the transition width `half_width`."""
+    half = taps // 2
+    atten = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95      # stop-band dB
+    if atten > 50.0:
+        beta = 0.1102 * (atten - 8.7)
+    elif atten >= 21.0:
+        beta = 0.5842 * (atten - 21) ** 0.4 + 0.07886 * (atten - 21.0)
+    else:
+        beta = 0.0
+    window = torch.kaiser_window(taps, periodic=False, beta=beta, dtype=torch.float32, device=device)
+    n = torch.arange(-half, half, device=device) + 0.5 if taps % 2 == 0 else \
+        torch.arange(taps, device=device) - half
+    h = 2 * cutoff * window * torch.sinc(2 * cutoff * n)
+    return h / h.sum()
+
+
+class AntiAliasedSnake(nn.Module):
+    """Upsample x2 (replicate-padded polyphase transposed conv) -> SnakeBeta -> low-pass and
+    downsample x2. Length is kept: (B, C, L) -> (B, C, L)."""
+
+    def __init__(self, channels: int, device: torch.device):
+        super().__init__()
+        self.act = SnakeBeta(channels)
+        # Not a buffer: derived, never loaded, and it must live on the real device while the
+        # parameters are still on the meta device.
+        self.fir = kaiser_sinc(0.5 / RESAMPLE_RATIO, 0.6 / RESAMPLE_RATIO, RESAMPLE_TAPS, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, r, k = x.shape[1], RESAMPLE_RATIO, RESAMPLE_TAPS
+        fir = self.fir.to(x.dtype).expand(c, 1, k)
+        pad = k // r - 1
+        up = F.conv_transpose1d(F.pad(x, (pad, pad), mode="replicate"), fir, stride=r, groups=c) * r
+        crop_l = pad * r + (k - r) // 2
+        crop_r = pad * r + (k - r + 1) // 2
+        y = self.act(up[..., crop_l:up.shape[-1] - crop_r])
+        y = F.pad(y, (k // 2 - 1 + k % 2, k // 2), mode="replicate")
+        return F.conv1d(y, fir, stride=r, groups=c)
+
+
+class SnakeBeta(nn.Module):
+    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha, beta stored as logs)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels), requires_grad=False)
+        self.beta = nn.Parameter(torch.zeros(channels), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (B, C, L)
+        freq = self.alpha.exp().unsqueeze(-1)
+        inv_mag = 1.0 / (self.beta.exp().unsqueeze(-1) + 1e-9)
+        return x + inv_mag * torch.sin(x * freq).pow(2)
+
+
+class AMPBlock(nn.Module):
+    """Three residual units (snake -> dilated conv -> snake -> conv) at one resolution."""
+
+    def __init__(self, channels: int, kernel: int, dilations: list[int], device: torch.device):
+        super().__init__()
+        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, dilation=d,
+                                              padding=(kernel - 1) * d // 2) for d in dilations)
+        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, padding=(kernel - 1) // 2)
+                                    for _ in dilations)
+        self.activations = nn.ModuleList(AntiAliasedSnake(channels, device)
+                                         for _ in range(2 * len(dilations)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2)):
+            y = conv1(self.activations[2 * i](x))
+            x = x + conv2(self.activations[2 * i + 1](y))
+        return x
+
+
+class BigVGAN(nn.Module):
+    def __init__(self, c, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        device = torch.device(device)
+        self.config = c
+        self.num_kernels = len(c.resblock_kernel_sizes)
+        ch = c.upsample_initial_channel
+        with torch.device("meta"):
+            self.conv_pre = nn.Conv1d(c.mel_dim, ch, 7, padding=3)
+            # One-element ModuleLists: the checkpoint names are ups.{i}.0.*
+            self.ups = nn.ModuleList(
+                nn.ModuleList([nn.ConvTranspose1d(ch >> i, ch >> (i + 1), k, u, padding=(k - u) // 2)])
+                for i, (u, k) in enumerate(zip(c.upsample_rates, c.upsample_kernel_sizes)))
+            self.resblocks = nn.ModuleList(
+                AMPBlock(ch >> (i + 1), k, list(d), device)
+                for i in range(len(c.upsample_rates))
+                for k, d in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
+            out_ch = ch >> len(c.upsample_rates)
+            self.activation_post = AntiAliasedSnake(out_ch, device)
+            self.conv_post = nn.Conv1d(out_ch, 1, 7, padding=3, bias=False)
+        self.to_empty(device=device)
+        self.to(dtype)
+
+    @property
+    def hop(self) -> int:
+        """Waveform samples per mel frame."""
+        return math.prod(self.config.upsample_rates)
+
+    def receptive_field(self) -> int:
+        """Mel frames of context, on each side, that bound what one output sample depends on.
+
+        Summed per layer in mel-frame units (reach in samples / samples per frame at that layer):
+        conv_pre, each transposed conv, the widest AMP block (each unit: two anti-aliased
+        activations, a dilated and a plain conv), the final activation and conv_post. An
+        activation reaches (2 * taps - 2) // (2 * ratio) samples: 5 for 12 taps at ratio 2.
+        """
+        c = self.config
+        act = (2 * RESAMPLE_TAPS - 2) // (2 * RESAMPLE_RATIO)
+        frames, rate = 3.0, 1
+        for u, k in zip(c.upsample_rates, c.upsample_kernel_sizes):
+            pad = (k - u) // 2
+            frames += math.ceil(max(k - 1 - pad, pad) / u) / rate
+            rate *= u
+            amp = max(sum(2 * act + (kk - 1) * d // 2 + (kk - 1) // 2 for d in dil)
+                      for kk, dil in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
+            frames += amp / rate
+        frames += (act + 3) / rate
+        return math.ceil(frames)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel (B, mel_dim, F) natural-log amplitudes -> (B, F * hop) in [-1, 1]."""
+        h = self.conv_pre(_normalise_log_mel(mel))
+        for i, (up,) in enumerate(self.ups):
+            h = up(h)
+            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            h = sum(b(h) for b in blocks) / self.num_kernels
+        h = self.conv_post(self.activation_post(h))
+        return h.clamp(-1.0, 1.0).squeeze(1)
+
+
+def _normalise_log_mel(mel: torch.Tensor) -> torch.Tensor:
+    """ln-amplitude mel -> dB (floor -115 dB, -20 dB reference) -> [-1, 1], as in training."""
+    floor = torch.tensor(10 ** (-115 / 20), dtype=mel.dtype, device=mel.device)
+    db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=floor)) - 20
+    return torch.clamp(2 * ((db + 115) / 115) - 1, -1.0, 1.0)
+
+
+class VocoderStream:
+    """BigVGAN over mel that arrives in pieces. Each push vocodes the frames that have `context`
+    frames of right context (every frame when final) over a window with `context` frames of
+    left context, and returns only their samples: with context >= receptive_field() they equal
+    one run over the whole mel. Holds at most `context` frames before the first sample not yet
+    emitted, plus the frames pushed since."""
+
+    def __init__(self, vocoder: BigVGAN, context: int):
+        self.vocoder, self.context = vocoder, context
+        self.mel: torch.Tensor | None = None     # (mel_dim, frames), frames from `start` on
+        self.start = 0                           # = max(0, done - context)
+        self.done = 0                            # frames already emitted as samples
+
+    @torch.no_grad()
+    def push(self, mel: torch.Tensor, final: bool = False) -> torch.Tensor | None:
+        """mel (mel_dim, frames) following what was pushed before -> new samples, or None."""
+        self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=1)
+        total = self.start + self.mel.shape[1]
+        end = total if final else total - self.context
+        if end <= self.done:
+            return None
+        lo = max(self.start, self.done - self.context)
+        wav = self.vocoder(self.mel[:, lo - self.start:].unsqueeze(0))[0]
+        hop = self.vocoder.hop
+        pcm = wav[(self.done - lo) * hop:(end - lo) * hop]
+        keep = max(self.start, end - self.context)
+        self.mel, self.start, self.done = self.mel[:, keep - self.start:], keep, end
+        return pcm
+
+    def flush(self) -> torch.Tensor | None:
+        """The mel ended: the samples not emitted yet, or None."""
+        return None if self.mel is None else self.push(self.mel[:, :0], final=True)

@@ -1,0 +1,400 @@
+"""Qwen2.5-Omni token2wav: codec codes -> 24 kHz waveform, by flow matching (a DiT integrated
+with RK4 from noise at t=0 to mel at t=1, classifier-free guidance) then BigVGAN.
+
+`Token2Wav.decode_batch` decodes whole utterances: requests of different lengths share each DiT
+pass, with their conditional and unconditional rows. `Token2WavStream` decodes one request as
+its codes arrive; `step_streams` advances many streams with one batched solve."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from omnistage.errors import InvalidRequestError
+from omnistage.models.qwen2_5_omni.bigvgan import BigVGAN, VocoderStream
+from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout, DiTModel, SpeakerTerms
+from omnistage.models.weights import load_prefixed, require_complete
+
+# Guidance below this is treated as off (no unconditional row), as the reference does.
+MIN_GUIDANCE = 1e-5
+
+
+@dataclass
+class Token2WavRequest:
+    """One utterance to decode."""
+    codes: torch.Tensor                          # (T,) codec ids in [0, num_embeds]
+    cond: torch.Tensor                           # (1, enc_emb_dim) speaker vector
+    ref_mel: torch.Tensor                        # (1, R, mel_dim) speaker's reference mel
+    noise: torch.Tensor | torch.Generator        # (1, T*repeats, mel_dim) ODE start, or its source
+    guidance_scale: float = 0.5
+
+
+@dataclass
+class DiTJob:
+    """One row group of a batched ODE solve: a whole utterance or one stream window."""
+    codes: torch.Tensor          # (T,) long, on the model's device
+    noise: torch.Tensor          # (T*repeats, mel_dim) initial state
+    speaker: SpeakerTerms
+    guidance_scale: float
+    frame_offset: int = 0        # absolute frame of the first frame; a multiple of block_size
+
+
+class NoiseSource:
+    """Initial-state frames by absolute index: slices of a caller's tensor, or drawn from a
+    generator one DiT block at a time (so a frame's noise is the same whether the utterance is
+    decoded whole or in stream windows), keeping only blocks from `release()`'s frame on."""
+
+    def __init__(self, noise: torch.Tensor | torch.Generator, mel_dim: int, block: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.mel_dim, self.block, self.device, self.dtype = mel_dim, block, device, dtype
+        self.generator = noise if isinstance(noise, torch.Generator) else None
+        if self.generator is None and not (isinstance(noise, torch.Tensor) and noise.dim() == 3
+                                           and noise.shape[0] == 1 and noise.shape[2] == mel_dim):
+            raise InvalidRequestError(f"noise must be a torch.Generator or a tensor (1, frames, {mel_dim})",
+                                      param="noise")
+        self.tensor = None if self.generator is not None else noise[0].to(device, dtype)
+        self.blocks: list[torch.Tensor] = []    # drawn blocks, the first one is block `first`
+        self.first = 0
+
+    def frames(self, start: int, end: int) -> torch.Tensor:
+        """(end - start, mel_dim)."""
+        if self.tensor is not None:
+            if end > self.tensor.shape[0]:
+                raise InvalidRequestError(f"noise has {self.tensor.shape[0]} frames but {end} are needed "
+                                          f"(codes x repeats); pass a longer noise tensor", param="noise")
+            return self.tensor[start:end]
+        while (self.first + len(self.blocks)) * self.block < end:
+            self.blocks.append(torch.randn(self.block, self.mel_dim, generator=self.generator,
+                                           device=self.generator.device).to(self.device, self.dtype))
+        drawn = torch.cat(self.blocks)
+        base = self.first * self.block
+        return drawn[start - base:end - base]
+
+    def release(self, before: int) -> None:
+        """Forget generator blocks that end at or before frame `before`."""
+        drop = min(before // self.block - self.first, len(self.blocks))
+        if drop > 0:
+            self.blocks = self.blocks[drop:]
+            self.first += drop
+
+
+def time_grid(steps: int, sway: float | None, device: torch.device) -> torch.Tensor:
+    """steps points from 0 to 1, bent towards t=0 by sway sampling (sway < 0)."""
+    t = torch.linspace(0, 1, steps, device=device, dtype=torch.float32)
+    if sway is not None:
+        t = t + sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
+    return t
+
+
+@torch.no_grad()
+def solve(dit: DiTModel, jobs: list[DiTJob], steps: int, sway: float | None) -> list[torch.Tensor]:
+    """Integrate every job's ODE together; returns each job's mel (frames, mel_dim).
+
+    Rows: one conditional row per job, then one unconditional row per job with guidance. Each
+    DiT evaluation is one forward over all rows (padded to a multiple of block_size frames)."""
+    dev, bs, n = jobs[0].noise.device, dit.block_size, len(jobs)
+    lengths = [j.noise.shape[0] for j in jobs]
+    frames = math.ceil(max(lengths) / bs) * bs
+    cfg = [i for i, j in enumerate(jobs) if j.guidance_scale >= MIN_GUIDANCE]
+    rows = list(range(n)) + cfg
+    layout = BatchLayout([lengths[i] for i in rows], [jobs[i].frame_offset for i in rows], frames)
+
+    x = torch.zeros(n, frames, dit.mel_dim, device=dev, dtype=jobs[0].noise.dtype)   # (N, T, mel)
+    static = torch.zeros(len(rows), frames, dit.config.hidden_size, device=dev, dtype=x.dtype)
+    for i, job in enumerate(jobs):
+        x[i, :lengths[i]] = job.noise
+        static[i, :lengths[i]] = dit.code_terms(job.codes) + job.speaker.cond
+    for r, i in enumerate(cfg, start=n):
+        static[r, :lengths[i]] = jobs[i].speaker.uncond
+    valid = (torch.arange(frames, device=dev) < torch.tensor(lengths, device=dev).view(-1, 1))
+    valid = valid.unsqueeze(-1).to(x.dtype)                # padding frames stay 0 (finite) forever
+    cfg_idx = torch.tensor(cfg, device=dev, dtype=torch.long)
+    scale = torch.tensor([jobs[i].guidance_scale for i in cfg], device=dev, dtype=x.dtype).view(-1, 1, 1)
+    rope, masks = dit.rope_angles(layout, dev), dit.masks_for(layout, dev)
+    all_cfg = len(cfg) == n
+
+    def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        xr = torch.cat([x, x if all_cfg else x[cfg_idx]]) if cfg else x
+        out = dit(xr, static, t, layout, rope, masks)
+        v = out[:n]
+        if all_cfg:
+            v = v + (v - out[n:]) * scale
+        elif cfg:
+            v = v.index_copy(0, cfg_idx, v[cfg_idx] + (v[cfg_idx] - out[n:]) * scale)
+        return v * valid
+
+    grid = time_grid(steps, sway, dev)
+    third = 1 / 3
+    for t0, t1 in zip(grid[:-1], grid[1:]):      # RK4, 3/8 rule
+        dt = t1 - t0
+        k1 = velocity(t0, x)
+        k2 = velocity(t0 + dt * third, x + dt * k1 * third)
+        k3 = velocity(t0 + dt * (2 / 3), x + dt * (k2 - k1 * third))
+        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+        x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+    return [x[i, :lengths[i]] for i in range(n)]
+
+
+class Token2Wav(nn.Module):
+    """Built from `Qwen2_5OmniToken2WavConfig`; runs in float32 (as the reference requires)."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        self.code2wav_dit_model = DiTModel(config.dit_config, dtype, self.device)
+        self.code2wav_bigvgan_model = BigVGAN(config.bigvgan_config, dtype, self.device)
+        self.dtype = dtype
+
+    @property
+    def dit(self) -> DiTModel:
+        return self.code2wav_dit_model
+
+    @property
+    def vocoder(self) -> BigVGAN:
+        return self.code2wav_bigvgan_model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "token2wav.") -> set[str]:
+        """Fill every parameter from checkpoint tensors named `prefix + our name`. Derived tensors
+        some checkpoints carry (rotary inv_freq, resampling FIR filters) are recomputed, not read."""
+        derived = (".rotary_embed.inv_freq", ".filter")
+        kept = ((k, w) for k, w in weights if not k.endswith(derived))
+        loaded = load_prefixed(self, kept, prefix)
+        require_complete(self, loaded, "token2wav")
+        return loaded
+
+    def pack_for_onednn(self) -> int:
+        """CPU speed-up of the DiT's GEMMs (call after loading); returns linears packed."""
+        return self.dit.pack_for_onednn()
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor, cond: torch.Tensor, ref_mel: torch.Tensor,
+               noise: torch.Tensor | torch.Generator, steps: int = 10, guidance_scale: float = 0.5,
+               sway: float | None = -1.0) -> torch.Tensor:
+        """codes (T,) -> waveform (T * repeats * hop,) float32 on the model's device."""
+        return self.decode_batch([Token2WavRequest(codes, cond, ref_mel, noise, guidance_scale)],
+                                 steps, sway)[0]
+
+    @torch.no_grad()
+    def decode_batch(self, requests: list[Token2WavRequest], steps: int = 10,
+                     sway: float | None = -1.0) -> list[torch.Tensor]:
+        mels = self.mel_batch(requests, steps, sway)
+        # Vocoded one by one: a padded batch would change the samples near each utterance's end.
+        return [self.vocoder(mel.T.unsqueeze(0))[0] for mel in mels]
+
+    @torch.no_grad()
+    def mel_batch(self, requests: list[Token2WavRequest], steps: int = 10,
+                  sway: float | None = -1.0) -> list[torch.Tensor]:
+        """Each request's mel (frames, mel_dim): ln-amplitudes, as BigVGAN takes them."""
+        jobs = []
+        for req in requests:
+            codes = self.check_codes(req.codes, whole=True)
+            speaker = self.speaker_terms(req.cond, req.ref_mel)
+            noise = NoiseSource(req.noise, self.dit.mel_dim, self.dit.block_size, self.device, self.dtype)
+            jobs.append(DiTJob(codes, noise.frames(0, codes.numel() * self.dit.repeats), speaker,
+                               check_settings(steps, sway, req.guidance_scale)))
+        return solve(self.dit, jobs, steps, sway) if jobs else []
+
+    def check_codes(self, codes, whole: bool = False) -> torch.Tensor:
+        """-> (T,) long on the device. whole: a whole utterance (non-empty, within the DiT's length)."""
+        codes, c = torch.as_tensor(codes), self.config.dit_config
+        if codes.dim() != 1 or codes.is_floating_point() or codes.is_complex():
+            raise InvalidRequestError(f"codes must be a 1-D integer sequence; got shape "
+                                      f"{tuple(codes.shape)} of {codes.dtype}", param="codes")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > c.num_embeds):
+            raise InvalidRequestError(f"codec ids must be in [0, {c.num_embeds}]", param="codes")
+        if whole and codes.numel() == 0:
+            raise InvalidRequestError("codes is empty; send at least one codec id", param="codes")
+        if whole:
+            self.check_frames(codes.numel() * c.repeats)
+        return codes.to(self.device, torch.long)
+
+    @torch.no_grad()
+    def speaker_terms(self, cond: torch.Tensor, ref_mel: torch.Tensor) -> SpeakerTerms:
+        c = self.config.dit_config
+        if not isinstance(cond, torch.Tensor) or tuple(cond.shape) != (1, c.enc_emb_dim):
+            raise InvalidRequestError(f"cond (the speaker vector) must have shape (1, {c.enc_emb_dim})",
+                                      param="cond")
+        min_ref = max((k - 1) * d // 2 for k, d in zip(c.enc_kernel_sizes, c.enc_dilations)) + 1
+        if (not isinstance(ref_mel, torch.Tensor) or ref_mel.dim() != 3 or ref_mel.shape[0] != 1
+                or ref_mel.shape[2] != c.mel_dim or ref_mel.shape[1] < min_ref):
+            raise InvalidRequestError(f"ref_mel must have shape (1, R, {c.mel_dim}) with R >= {min_ref}",
+                                      param="ref_mel")
+        return self.dit.speaker_terms(cond.to(self.device, self.dtype), ref_mel.to(self.device, self.dtype))
+
+    def check_frames(self, frames: int) -> None:
+        limit = self.config.dit_config.max_position_embeddings
+        if frames > limit:
+            raise InvalidRequestError(f"{frames} mel frames exceed the DiT's {limit}; send fewer codes",
+                                      param="codes")
+
+
+def check_settings(steps: int, sway: float | None, guidance_scale: float = 0.0) -> float:
+    """Validates the ODE settings; returns guidance_scale as a float."""
+    if not isinstance(steps, int) or steps < 2:
+        raise InvalidRequestError("steps must be an integer >= 2 (time points from 0 to 1)", param="steps")
+    if sway is not None and not math.isfinite(sway):
+        raise InvalidRequestError("sway must be a finite number or None", param="sway")
+    if not math.isfinite(guidance_scale) or guidance_scale < 0:
+        raise InvalidRequestError("guidance_scale must be a finite number >= 0", param="guidance_scale")
+    return float(guidance_scale)
+
+
+# ---------------------------------------------------------------------- streaming
+
+@dataclass
+class StreamConfig:
+    """How a stream cuts an utterance; sizes in codes (one code is `repeats` mel frames).
+
+    Each chunk of chunk_size codes gets its own ODE solve over a window with look_back codes of
+    left context (start rounded down to a DiT block, so the window's blocks are the utterance's)
+    and look_ahead codes of right context, and keeps only its own frames. BigVGAN runs with
+    vocoder_context mel frames of overlap each side (None: its receptive field, so the PCM is
+    exactly BigVGAN's over the streamed mel); PCM lags the mel by that much until finish()."""
+    chunk_size: int = 36
+    look_ahead: int = 12
+    look_back: int = 24
+    vocoder_context: int | None = None
+
+    def __post_init__(self):
+        for name, low in (("chunk_size", 1), ("look_ahead", 0), ("look_back", 0), ("vocoder_context", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise InvalidRequestError(f"{name} must be >= {low}", param=name)
+
+    @classmethod
+    def for_dit(cls, c) -> "StreamConfig":
+        """From the DiT's masks: look back as many blocks as the layers that look back, ahead as
+        many as the layers that look ahead (one pass's exact reach), three blocks per chunk."""
+        block = math.ceil(c.block_size / c.repeats)
+        return cls(chunk_size=3 * block, look_ahead=len(c.look_ahead_layers) * block,
+                   look_back=len(c.look_backward_layers) * block)
+
+
+@dataclass
+class ChunkPlan:
+    job: DiTJob
+    keep: tuple[int, int]        # frames of the window's mel that belong to the chunk
+    chunk_end: int               # first code after the chunk
+
+
+class Token2WavStream:
+    """One request: codec codes in (push), float32 PCM chunks at 24 kHz out (on the model's
+    device). Holds bounded state: codes and noise from the next window's start, and the
+    vocoder's mel window (see VocoderStream). close() drops it all."""
+
+    def __init__(self, model: Token2Wav, cond: torch.Tensor, ref_mel: torch.Tensor,
+                 noise: torch.Tensor | torch.Generator, config: StreamConfig | None = None,
+                 steps: int = 10, guidance_scale: float = 0.5, sway: float | None = -1.0):
+        c = model.config.dit_config
+        self.model, self.steps, self.sway = model, steps, sway
+        self.guidance = check_settings(steps, sway, guidance_scale)
+        self.cfg = config or StreamConfig.for_dit(c)
+        self.repeats = c.repeats
+        self.align = math.lcm(c.block_size, c.repeats) // c.repeats    # codes per window-start step
+        vctx = self.cfg.vocoder_context
+        self.vctx = model.vocoder.receptive_field() if vctx is None else vctx
+        if self.cfg.chunk_size * self.repeats <= self.vctx:
+            raise InvalidRequestError(
+                f"chunk_size must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
+                f"{self.vctx} frames) for the first chunk to carry audio", param="chunk_size")
+        window = (self.cfg.look_back + self.align + self.cfg.chunk_size + self.cfg.look_ahead) * self.repeats
+        model.check_frames(window)
+        self.speaker = model.speaker_terms(cond, ref_mel)
+        self.noise = NoiseSource(noise, c.mel_dim, c.block_size, model.device, model.dtype)
+        self.codes = torch.empty(0, dtype=torch.long, device=model.device)
+        # Absolute code indices: of self.codes[0], codes pushed so far, first code not decoded.
+        self.codes_start = self.received = self.next = 0
+        self.vocoder = VocoderStream(model.vocoder, self.vctx)
+        self.finishing = self.closed = False
+
+    def push(self, codes) -> list[torch.Tensor]:
+        """Add codes; returns the PCM chunks that became ready (possibly none)."""
+        self.feed(codes)
+        return self._drain()
+
+    def finish(self) -> list[torch.Tensor]:
+        """No more codes: decode the rest and flush the vocoder's tail."""
+        self._check_open()
+        self.finishing = True
+        out = self._drain()
+        tail = self.vocoder.flush()
+        return out + ([tail] if tail is not None else [])
+
+    def close(self) -> None:
+        """Release every buffer; the stream cannot be used afterwards."""
+        self.closed = True
+        self.codes = self.vocoder = self.noise = self.speaker = None
+
+    def feed(self, codes) -> None:
+        """Add codes without decoding (step_streams decodes many streams together)."""
+        self._check_open()
+        if self.finishing:
+            raise InvalidRequestError("codes arrived after finish(); open a new stream", param="codes")
+        codes = self.model.check_codes(codes)
+        self.codes = torch.cat([self.codes, codes])
+        self.received += codes.numel()
+
+    def ready(self) -> bool:
+        """A chunk can be decoded now."""
+        left = self.received - self.next
+        return not self.closed and (left >= self.cfg.chunk_size + self.cfg.look_ahead
+                                    or (self.finishing and left > 0))
+
+    def plan(self) -> ChunkPlan:
+        cs, c = self.next, self.cfg
+        if self.received - cs >= c.chunk_size + c.look_ahead:
+            ce, we = cs + c.chunk_size, cs + c.chunk_size + c.look_ahead
+        else:                       # finishing: the rest is one window
+            ce = we = self.received
+        ws = self._window_start(cs)
+        r = self.repeats
+        job = DiTJob(self.codes[ws - self.codes_start:we - self.codes_start],
+                     self.noise.frames(ws * r, we * r), self.speaker, self.guidance, ws * r)
+        return ChunkPlan(job, ((cs - ws) * r, (ce - ws) * r), ce)
+
+    def accept(self, plan: ChunkPlan, mel: torch.Tensor) -> torch.Tensor | None:
+        """Take the window's mel (frames, mel_dim); returns new PCM, if any."""
+        self.next = plan.chunk_end
+        ws = self._window_start(self.next)          # nothing before it is needed again
+        self.codes, self.codes_start = self.codes[ws - self.codes_start:], ws
+        self.noise.release(ws * self.repeats)
+        final = self.finishing and self.next == self.received
+        return self.vocoder.push(mel[plan.keep[0]:plan.keep[1]].T, final)
+
+    def _window_start(self, chunk_start: int) -> int:
+        return max(0, (chunk_start - self.cfg.look_back) // self.align * self.align)
+
+    def _drain(self) -> list[torch.Tensor]:
+        out = []
+        while self.ready():
+            pcm = step_streams([self])[0]
+            if pcm is not None:
+                out.append(pcm)
+        return out
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise InvalidRequestError("this token2wav stream is closed; open a new one")
+
+
+def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:
+    """Decode one chunk of every ready stream. Streams of the same model and ODE settings share
+    one batched solve (one DiT forward per evaluation for all their windows and guidance rows).
+    Returns each stream's new PCM chunk, or None."""
+    out: list[torch.Tensor | None] = [None] * len(streams)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(streams):
+        if s.ready():
+            groups.setdefault((id(s.model), s.steps, s.sway), []).append(i)
+    for idx in groups.values():
+        plans = [streams[i].plan() for i in idx]
+        first = streams[idx[0]]
+        mels = solve(first.model.dit, [p.job for p in plans], first.steps, first.sway)
+        for i, plan, mel in zip(idx, plans, mels):
+            out[i] = streams[i].accept(plan, mel)
+    return out
