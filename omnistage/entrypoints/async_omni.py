@@ -12,10 +12,10 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
 from omnistage.entrypoints.omni import engine_config
-from omnistage.entrypoints.prompts import new_request_id, parse_prompt
+from omnistage.entrypoints.prompts import new_request_id
 from omnistage.errors import EngineDeadError, InvalidRequestError
-from omnistage.llm.engine import LLMEngine
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 
@@ -29,8 +29,9 @@ class _Stream:
 
 
 class AsyncOmni:
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, omni_settings=None, **options):
         self.config = engine_config(model, options)
+        self._omni_settings = omni_settings
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []   # run on the engine thread
         self._streams: dict[str, _Stream] = {}           # touched on the engine thread only
@@ -49,11 +50,11 @@ class AsyncOmni:
         ready.wait()
         if isinstance(built[0], BaseException):
             raise built[0]
-        self.engine: LLMEngine = built[0]
+        self.engine = built[0]
 
     def _build_and_run(self, built: list, ready: threading.Event) -> None:
         try:
-            self.engine = LLMEngine(self.config)
+            self.engine = build_engine(self.config, self._omni_settings)
             built.append(self.engine)
         except BaseException as e:   # re-raised in the constructor's thread
             built.append(e)
@@ -68,23 +69,24 @@ class AsyncOmni:
 
     # ---- public API -----------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, return_hidden_states: bool = False
-                       ) -> AsyncIterator[Delta]:
-        """Yields Deltas (text and token deltas per sample) until every sample finished.
-        Leaving the loop early (break, cancellation, disconnect) aborts the request."""
+                       request_id: str | None = None, return_hidden_states: bool = False,
+                       output: OutputOptions | None = None) -> AsyncIterator[Delta]:
+        """Yields Deltas (text and token deltas per sample; audio chunks in Delta.audio for
+        omni models asked for speech) until every sample finished. Leaving the loop early
+        (break, cancellation, disconnect) aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
         params = sampling_params or SamplingParams()
         rid = request_id or new_request_id()
-        # Tokenizing a long prompt takes a while: keep the event loop free meanwhile.
-        parsed = await asyncio.to_thread(parse_prompt, prompt, self.engine.tokenizer)
+        opts = output or OutputOptions()
+        # Tokenizing a long prompt (or decoding media) takes a while: keep the event loop free.
+        parsed = await asyncio.to_thread(prepare, self.engine, prompt, opts)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
             if rid in self._streams:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
-            self.engine.add_request(rid, parsed.token_ids, params, prompt_embeds=parsed.embeds,
-                                    return_hidden_states=return_hidden_states)
+            submit(self.engine, rid, parsed, params, opts, return_hidden_states)
             self._streams[rid] = stream
 
         self._submit(add, stream)
@@ -178,7 +180,7 @@ class AsyncOmni:
             if d.finished:
                 finished.add(d.request_id)
         # Only after the loop: the other samples' final deltas of this step still need it.
-        for rid in finished - self.engine.requests.keys():
+        for rid in finished - set(self.engine.requests):
             self._streams.pop(rid, None)
         for loop, items in by_loop.items():   # one wake-up per event loop per step
             _post(loop, _put_all, items)

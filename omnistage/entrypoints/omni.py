@@ -7,10 +7,12 @@ from typing import Iterator
 import torch
 
 from omnistage.config import EngineConfig
+import numpy as np
+
+from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
 from omnistage.entrypoints.model_source import resolve_model
-from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for, parse_prompt
+from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for
 from omnistage.errors import InvalidRequestError
-from omnistage.llm.engine import LLMEngine
 from omnistage.outputs import CompletionOutput, Delta, OmniOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -27,19 +29,22 @@ def engine_config(model: str, options: dict) -> EngineConfig:
 class Omni:
     """`Omni(model=PATH_OR_tiny:ARCH, **engine options).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str, **options):
+    def __init__(self, model: str, omni_settings=None, **options):
+        """`omni_settings` (omni models): an OmniSettings (audio output, vocoder, media limits)."""
         self.config = engine_config(model, options)
-        self.engine = LLMEngine(self.config)
+        self.engine = build_engine(self.config, omni_settings)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params=None, return_hidden_states: bool = False,
-                 use_tqdm: bool = False) -> list[OmniOutput]:
+                 use_tqdm: bool = False, output: OutputOptions | None = None) -> list[OmniOutput]:
         """One OmniOutput per prompt, in order. A single prompt still returns a list.
         `sampling_params`: None (defaults), one SamplingParams for all, or one per prompt.
-        `use_tqdm` shows a progress bar of finished samples and generated tokens."""
+        `use_tqdm` shows a progress bar of finished samples and generated tokens.
+        `output` (omni models): modalities, voice, talker sampling; speech lands in
+        OmniOutput.audio (float32) at OmniOutput.sample_rate."""
         if is_single_prompt(prompts):
             prompts = [prompts]
         elif not isinstance(prompts, (list, tuple)):
@@ -47,8 +52,10 @@ class Omni:
                 f"prompts must be one prompt (a string, a dict or a chat message list) or a list "
                 f"of prompts, got {type(prompts).__name__}", param="prompt")
         prompts = list(prompts)
-        outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states)
+        outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states,
+                            output or OutputOptions())
         hidden: dict[tuple[str, int], list[torch.Tensor]] = {}
+        audio: dict[str, list[np.ndarray]] = {}
         bar = _progress(sum(len(o.outputs) for o in outputs.values())) if use_tqdm else None
         tokens = 0
         for d in self._drain(outputs):
@@ -61,24 +68,31 @@ class Omni:
             out.num_cached_tokens = max(out.num_cached_tokens, d.num_cached_tokens)
             if d.hidden_states is not None:
                 hidden.setdefault((d.request_id, d.index), []).append(d.hidden_states)
+            if d.audio is not None:
+                audio.setdefault(d.request_id, []).append(d.audio)
+                out.sample_rate = d.sample_rate
         if bar is not None:
             bar.close()
+        for rid, chunks in audio.items():
+            outputs[rid].audio = np.concatenate(chunks)
         for (rid, i), hs in hidden.items():
             outputs[rid].outputs[i].hidden_states = torch.cat(hs)
         return list(outputs.values())
 
-    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[Delta]:
-        """Deltas of one prompt as the engine makes them."""
-        yield from self._drain(self._add([prompt], params_for(sampling_params, 1), False))
+    def stream(self, prompt, sampling_params: SamplingParams | None = None,
+               output: OutputOptions | None = None) -> Iterator[Delta]:
+        """Deltas of one prompt as the engine makes them (text deltas; audio chunks in .audio)."""
+        yield from self._drain(self._add([prompt], params_for(sampling_params, 1), False,
+                                         output or OutputOptions()))
 
-    def _add(self, prompts: list, params: list[SamplingParams], hidden: bool) -> dict[str, OmniOutput]:
-        parsed = [parse_prompt(p, self.engine.tokenizer) for p in prompts]  # all checked first
+    def _add(self, prompts: list, params: list[SamplingParams], hidden: bool,
+             opts: OutputOptions) -> dict[str, OmniOutput]:
+        parsed = [prepare(self.engine, p, opts) for p in prompts]  # all checked first
         outputs: dict[str, OmniOutput] = {}
         try:
             for pp, sp in zip(parsed, params):
                 rid = new_request_id()
-                self.engine.add_request(rid, pp.token_ids, sp, prompt_embeds=pp.embeds,
-                                        return_hidden_states=hidden)
+                submit(self.engine, rid, pp, sp, opts, hidden)
                 outputs[rid] = OmniOutput(rid, pp.text, list(pp.token_ids),
                                           [CompletionOutput(i) for i in range(sp.n)])
         except BaseException:

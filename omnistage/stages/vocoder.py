@@ -24,7 +24,7 @@ class VocoderSettings:
     steps: int = 10                      # ODE steps (RK4) per chunk
     guidance_scale: float = 0.5
     stream: StreamConfig | None = None   # None: the DiT's own block reach (StreamConfig.for_dit)
-    seed: int = 0                        # noise of request i: Generator seeded seed + i
+    seed: int = 0                        # unseeded request i draws noise from seed + i
 
 
 class VocoderStage:
@@ -38,20 +38,22 @@ class VocoderStage:
         self._count = 0
         self.sample_rate = 24000
 
-    def _open(self, rid: str, speaker: str) -> Token2WavStream:
+    def _open(self, rid: str, speaker: str, seed: int | None) -> Token2WavStream:
         spk = self.speakers[speaker]
         if self.noise_for is not None:
             noise = self.noise_for(rid)
-        else:
-            noise = torch.Generator(device=self.model.device).manual_seed(self.settings.seed + self._count)
-        self._count += 1
+        else:   # a request's seed makes its audio the same whatever shares the batch
+            if seed is None:
+                seed = self.settings.seed + self._count
+                self._count += 1
+            noise = torch.Generator(device=self.model.device).manual_seed(seed)
         return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.settings.stream,
                                steps=self.settings.steps, guidance_scale=self.settings.guidance_scale)
 
     def add(self, chunk: CodecChunk) -> None:
         s = self._streams.get(chunk.request_id)
         if s is None:
-            s = self._streams[chunk.request_id] = self._open(chunk.request_id, chunk.speaker)
+            s = self._streams[chunk.request_id] = self._open(chunk.request_id, chunk.speaker, chunk.seed)
         if chunk.codes:
             s.feed(chunk.codes)
         if chunk.finished:

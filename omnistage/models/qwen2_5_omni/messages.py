@@ -57,6 +57,7 @@ class CodecChunk(msgspec.Struct):
     codes: list[int]                            # new codec tokens (stop token excluded)
     finished: bool = False
     speaker: str = ""                           # set on a request's first chunk
+    seed: int | None = None                     # noise seed (the talker params' seed), first chunk
 
 
 class AudioChunk(msgspec.Struct):

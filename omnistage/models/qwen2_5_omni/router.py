@@ -179,7 +179,8 @@ class OmniRouter:
         first = flow.num_codes == 0 and not o.finished
         flow.num_codes += len(codes)
         return [("token2wav", CodecChunk(o.request_id, codes, o.finished,
-                                         speaker=flow.req.speaker if first or o.finished else ""))]
+                                         speaker=flow.req.speaker if first or o.finished else "",
+                                         seed=flow.req.talker_params.seed))]
 
     def _from_token2wav(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
