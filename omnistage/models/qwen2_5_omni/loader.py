@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from safetensors import safe_open
+
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.models.loader import fill_model, iter_weights, read_config, safetensors_files
 from omnistage.models.qwen2_5_omni.router import BridgeConstants
@@ -23,15 +25,6 @@ class Speaker:
     bos_token: int                 # thinker token id whose embedding opens the talker's reply
     cond: torch.Tensor             # (1, enc_emb_dim) speaker embedding for token2wav
     ref_mel: torch.Tensor          # (1, frames, mel_dim) reference mel for token2wav
-
-
-@dataclass
-class OmniParts:
-    config: dict
-    thinker: Qwen2_5OmniThinkerLM
-    talker: Qwen2_5OmniTalkerLM | None
-    tokens: TalkerTokens
-    speakers: dict[str, Speaker]
 
 
 def load_speakers(model_dir: Path) -> dict[str, Speaker]:
@@ -49,40 +42,58 @@ def load_speakers(model_dir: Path) -> dict[str, Speaker]:
         raise CheckpointError(f"{path}: each speaker needs bos_token, cond and ref_mel ({e!r})") from e
 
 
-def load_lm_parts(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-                  with_talker: bool) -> OmniParts:
+def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype,
+            device: torch.device) -> Qwen2_5OmniThinkerLM | Qwen2_5OmniTalkerLM:
+    """The thinker's or the talker's language model, filled from the folder."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     try:
-        thinker = Qwen2_5OmniThinkerLM(Qwen2_5OmniThinkerLM.config_from_omni(cfg), dtype, device)
-        talker = None
-        if with_talker:
-            talker = Qwen2_5OmniTalkerLM(TalkerConfig.from_omni(cfg), dtype, device)
-        tokens = TalkerTokens.from_talker_config(cfg["talker_config"])
+        if which == "thinker":
+            model = Qwen2_5OmniThinkerLM(Qwen2_5OmniThinkerLM.config_from_omni(cfg), dtype, device)
+        else:
+            model = Qwen2_5OmniTalkerLM(TalkerConfig.from_omni(cfg), dtype, device)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: not a usable Qwen2.5-Omni config ({e!r})") from e
+    model.to_empty(device=device)
+    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir))
+    return model.eval()
+
+
+def talker_tokens(cfg: dict) -> TalkerTokens:
+    try:
+        return TalkerTokens.from_talker_config(cfg["talker_config"])
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"config.json: the talker config lacks its special ids ({e!r})") from e
+
+
+def _embedding_rows(files: list[Path], name: str, ids: list[int]) -> list[torch.Tensor]:
+    """Rows of one embedding table, read as slices (the table itself is never loaded)."""
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            if name in st.keys():
+                table = st.get_slice(name)
+                return [table[i:i + 1][0].clone() for i in ids]
+    raise CheckpointError(f"the checkpoint has no {name}")
+
+
+def bridge_constants(model_dir: str | Path, audio_output: bool, dtype: torch.dtype) -> BridgeConstants:
+    """The ids and embedding rows the router splices into the talker's input, read straight
+    from the checkpoint (the router's process holds no model)."""
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    t, tc = talker_tokens(cfg), cfg["thinker_config"]
     files = safetensors_files(model_dir)
-    for part in filter(None, (thinker, talker)):
-        part.to_empty(device=device)
-        fill_model(part, iter_weights(files), str(model_dir))
-        part.eval()
-    speakers = load_speakers(model_dir) if with_talker else {}
-    return OmniParts(cfg, thinker, talker, tokens, speakers)
-
-
-def bridge_constants(parts: OmniParts) -> BridgeConstants:
-    """The embedding rows the router splices into the talker's input, read once."""
-    th, tk, t = parts.thinker, parts.talker, parts.tokens
-    tc = parts.config["thinker_config"]
-
-    def row(model, token: int) -> torch.Tensor:
-        return model.embed_tokens[token].detach().clone()
-
+    speakers = load_speakers(model_dir) if audio_output else {}
+    names = sorted(speakers)
+    text_ids = [t.text_eos, t.text_pad] + [speakers[n].bos_token for n in names]
+    rows = [r.to(dtype) for r in _embedding_rows(files, "thinker.model.embed_tokens.weight", text_ids)]
+    codec = [None, None]
+    if audio_output:
+        codec = [r.to(dtype) for r in _embedding_rows(files, "talker.model.embed_tokens.weight",
+                                                      [t.codec_bos, t.codec_pad])]
     return BridgeConstants(
         tokens=t, audio_token_id=tc["audio_token_index"], image_token_id=tc["image_token_index"],
-        video_token_id=tc["video_token_index"],
-        text_eos_embed=row(th, t.text_eos), text_pad_embed=row(th, t.text_pad),
-        speaker_bos={n: s.bos_token for n, s in parts.speakers.items()},
-        speaker_bos_embed={n: row(th, s.bos_token) for n, s in parts.speakers.items()},
-        codec_bos_embed=row(tk, t.codec_bos) if tk is not None else None,
-        codec_pad_embed=row(tk, t.codec_pad) if tk is not None else None)
+        video_token_id=tc["video_token_index"], text_eos_embed=rows[0], text_pad_embed=rows[1],
+        speaker_bos={n: speakers[n].bos_token for n in names},
+        speaker_bos_embed=dict(zip(names, rows[2:])),
+        codec_bos_embed=codec[0], codec_pad_embed=codec[1])

@@ -41,7 +41,7 @@ def hf_model(omni_dir):
 
 
 def pipeline(omni_dir, stream: StreamConfig | None = WHOLE) -> Qwen2_5OmniPipeline:
-    from omnistage.models.qwen2_5_omni.pipeline import OmniSettings
+    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
 
     cfg = EngineConfig(model=omni_dir, max_model_len=2048, num_kv_blocks=512, linear_kernel="matmul")
     return Qwen2_5OmniPipeline(cfg, OmniSettings(vocoder=VocoderSettings(steps=10, stream=stream)))

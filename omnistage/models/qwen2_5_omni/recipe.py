@@ -1,0 +1,103 @@
+"""Qwen2.5-Omni's recipe: its stages, each buildable on its own (in this process, a child
+process or a Ray actor), and the router that wires them.
+
+    encoder (audio + vision towers) -> thinker (AR) -> talker (AR) -> token2wav (vocoder)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import Qwen2_5OmniConfig
+
+from omnistage.config import EngineConfig
+from omnistage.llm.engine import LLMEngine, eos_token_ids, load_tokenizer
+from omnistage.models.loader import iter_weights, read_config, safetensors_files
+from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
+from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
+from omnistage.models.qwen2_5_omni.loader import (bridge_constants, load_lm, load_speakers,
+                                                  talker_tokens)
+from omnistage.models.qwen2_5_omni.processor import MediaLimits
+from omnistage.models.qwen2_5_omni.router import OmniRouter
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
+from omnistage.models.weights import load_prefixed, require_complete
+from omnistage.stages.ar import ARStage
+from omnistage.stages.base import Stage
+from omnistage.stages.encoder import EncoderStage
+from omnistage.stages.vocoder import VocoderSettings, VocoderStage
+
+ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
+
+
+@dataclass
+class OmniSettings:
+    audio_output: bool = True                 # load talker + token2wav
+    vocoder: VocoderSettings = field(default_factory=VocoderSettings)
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    encoder_budget: int = 16384               # audio frames + vision patches per encoder step
+
+
+def hf_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
+    raw = read_config(model_dir)
+    return Qwen2_5OmniConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+
+
+def speaks(model_dir: str | Path, settings: OmniSettings) -> bool:
+    return settings.audio_output and read_config(model_dir).get("enable_audio_output", True)
+
+
+def stage_names(model_dir: str | Path, settings: OmniSettings) -> list[str]:
+    """Upstream first."""
+    names = ["encoder", "thinker"]
+    return names + (["talker", "token2wav"] if speaks(model_dir, settings) else [])
+
+
+def model_dtype(config: EngineConfig) -> torch.dtype:
+    raw = read_config(config.model)
+    return config.torch_dtype(raw.get("dtype") or raw.get("torch_dtype"))
+
+
+def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stage:
+    """Build one stage from the folder, loading only the weights it needs."""
+    dev, dtype, model_dir = config.torch_device, model_dtype(config), Path(config.model)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    if name == "encoder":
+        tc = hf_config(model_dir).thinker_config
+        files = safetensors_files(model_dir)
+        audio = AudioEncoder(tc.audio_config, dtype, dev)
+        audio.load_weights(iter_weights(files))
+        vision = Qwen2_5OmniVisionEncoder(tc.vision_config, dtype, dev)
+        require_complete(vision, load_prefixed(vision, iter_weights(files), "thinker.visual."),
+                         "thinker.visual")
+        return EncoderStage(name, OmniEncoders(audio.eval(), vision.eval(), dev), settings.encoder_budget)
+    if name == "thinker":
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev), tokenizer,
+                           eos_token_ids(config.model, tokenizer))
+        return ARStage(name, engine)
+    if name == "talker":
+        # No text, stops on the codec stop ids, no prefix cache (its prompts are embeddings).
+        stop = talker_tokens(read_config(model_dir)).stop_ids
+        engine = LLMEngine(replace(config, enable_prefix_caching=False),
+                           load_lm(model_dir, "talker", dtype, dev), None, set(stop))
+        return ARStage(name, engine)
+    if name == "token2wav":
+        t2w = Token2Wav(hf_config(model_dir).token2wav_config, torch.float32, dev)
+        t2w.load_weights(iter_weights(safetensors_files(model_dir)))
+        return VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
+    raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")
+
+
+def build_router(config: EngineConfig, settings: OmniSettings) -> OmniRouter:
+    audio = speaks(config.model, settings)
+    return OmniRouter(bridge_constants(config.model, audio, model_dtype(config)), audio)
+
+
+def generation_defaults(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
