@@ -43,3 +43,8 @@ class RequestAbortedError(OmniStageError):
 
 class EngineDeadError(OmniStageError):
     """The engine loop stopped because of an internal fault; no new requests are accepted."""
+
+
+class StageFailedError(OmniStageError):
+    """A stage lost this request (e.g. its process died); other requests carry on, and the
+    stage is restarted (or, past its restart budget, the model reports itself unhealthy)."""

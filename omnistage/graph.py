@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from omnistage.errors import InvalidRequestError
 from omnistage.outputs import Delta
-from omnistage.stages.base import Stage, StageOutput
+from omnistage.stages.base import Stage, StageFailure, StageOutput
 
 CLIENT = "client"     # the edge target that means "back to the caller"
 
@@ -66,15 +66,48 @@ class StageGraph:
         for dst, msg in self.router.start(request):
             self._deliver("<entry>", dst, msg, [])
 
-    def step(self) -> list[Delta]:
+    def step(self, wait_s: float = 0.02) -> list[Delta]:
+        """Step every stage with work. When none has any but stages in other processes are
+        busy, wait (up to `wait_s`) until one of them sends something."""
         deltas: list[Delta] = []
+        busy = False
         for stage in self.stages.values():
             if not stage.has_work():
                 continue
+            busy = True
             for out in stage.step():
+                if isinstance(out.payload, StageFailure):
+                    deltas += self._fail(out.payload)
+                    continue
                 for dst, msg in self.router.route(out):
                     self._deliver(stage.name, dst, msg, deltas)
+        if not busy:
+            self._wait_remote(wait_s)
         return deltas
+
+    def _wait_remote(self, timeout: float) -> None:
+        from omnistage.runtime.channel import wait_any
+        from omnistage.stages.remote import RemoteStage
+
+        channels = [s.channel for s in self.stages.values()
+                    if isinstance(s, RemoteStage) and not s.dead and s.num_requests()]
+        if channels:
+            wait_any(channels, timeout)
+
+    def _fail(self, failure: StageFailure) -> list[Delta]:
+        """A stage lost a request: stop it everywhere; the caller gets the error."""
+        rid = failure.request_id
+        if rid not in self.router.unfinished():
+            return []
+        for stage in self.stages.values():
+            stage.abort(rid)
+        self.router.forget(rid)
+        return [Delta(rid, 0, "", [], finished=True, finish_reason="error", error=failure.message)]
+
+    def close(self) -> None:
+        """Stop stages that run in other processes."""
+        for stage in self.stages.values():
+            stage.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.router.unfinished())

@@ -32,6 +32,7 @@ class Delta:
     num_cached_tokens: int = 0
     audio: np.ndarray | None = None     # new float32 PCM samples (speech-producing models)
     sample_rate: int | None = None
+    error: str | None = None            # with finish_reason "error": what failed (not the client)
 
 
 @dataclass

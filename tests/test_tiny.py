@@ -42,7 +42,7 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_supported_archs() -> None:
-    assert SUPPORTED_TINY_ARCHS == ("qwen2",)
+    assert SUPPORTED_TINY_ARCHS == ("qwen2", "qwen2_5_omni")
 
 
 def test_folder_files(tiny_dir: Path) -> None:

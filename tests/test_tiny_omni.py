@@ -196,6 +196,35 @@ def test_generates_text_and_audio(omni_dir: Path, omni_model, omni_tokenizer) ->
     assert abs(wav.mean().item()) < 0.5 * rms  # no large DC offset
 
 
+def test_generates_from_audio_and_image(omni_dir: Path, omni_model, omni_tokenizer) -> None:
+    """Placeholders expanded as Qwen2_5OmniProcessor does (it cannot be built here without
+    torchvision): the config's ids drive HF's embedding merge and the thinker's and talker's
+    3D rope index."""
+    features = WhisperFeatureExtractor.from_pretrained(omni_dir)
+    images = Qwen2VLImageProcessorPil.from_pretrained(omni_dir)
+    audio = features((0.3 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 440)).astype(np.float32),
+                     sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+    pixels = images(Image.fromarray(np.full((64, 96, 3), 128, dtype=np.uint8)), return_tensors="pt")
+    num_audio = ((int(audio.attention_mask.sum()) - 1) // 2 + 1 - 2) // 2 + 1  # two stride-2 stages
+    num_image = int(pixels.image_grid_thw.prod()) // 2**2  # merge_size 2
+    prompt = omni_tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+                                      {"type": "image_url", "image_url": {"url": ""}},
+                                      {"type": "text", "text": "What is it?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    prompt = prompt.replace("<|AUDIO|>", "<|AUDIO|>" * num_audio).replace("<|IMAGE|>", "<|IMAGE|>" * num_image)
+    ids = omni_tokenizer(prompt, return_tensors="pt").input_ids
+    torch.manual_seed(0)
+    # thinker_pixel_values: HF's generate would hand plain `pixel_values` to the talker too.
+    sequences, wav = omni_model.generate(
+        ids, input_features=audio.input_features, feature_attention_mask=audio.attention_mask,
+        thinker_pixel_values=pixels.pixel_values, image_grid_thw=pixels.image_grid_thw,
+        thinker_max_new_tokens=4, thinker_do_sample=False, talker_eos_token_id=[132, 134],
+        talker_min_new_tokens=24, talker_max_new_tokens=24)
+    assert sequences.shape[1] == ids.shape[1] + 4
+    assert wav.numel() == 24 * SAMPLES_PER_CODE and torch.isfinite(wav).all() and wav.abs().max() > 0
+
+
 def test_greedy_text_is_informative(omni_model, omni_tokenizer) -> None:
     """Engine-vs-HF greedy comparisons need varied tokens and top-2 logits far apart."""
     gaps = []

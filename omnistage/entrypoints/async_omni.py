@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable
 from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
 from omnistage.entrypoints.omni import engine_config
 from omnistage.entrypoints.prompts import new_request_id
-from omnistage.errors import EngineDeadError, InvalidRequestError
+from omnistage.errors import EngineDeadError, InvalidRequestError, StageFailedError
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 
@@ -29,9 +29,9 @@ class _Stream:
 
 
 class AsyncOmni:
-    def __init__(self, model: str, omni_settings=None, **options):
+    def __init__(self, model: str, omni_settings=None, deploy_config=None, **options):
         self.config = engine_config(model, options)
-        self._omni_settings = omni_settings
+        self._omni_settings, self._deploy = omni_settings, deploy_config
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []   # run on the engine thread
         self._streams: dict[str, _Stream] = {}           # touched on the engine thread only
@@ -54,7 +54,7 @@ class AsyncOmni:
 
     def _build_and_run(self, built: list, ready: threading.Event) -> None:
         try:
-            self.engine = build_engine(self.config, self._omni_settings)
+            self.engine = build_engine(self.config, self._omni_settings, self._deploy)
             built.append(self.engine)
         except BaseException as e:   # re-raised in the constructor's thread
             built.append(e)
@@ -99,6 +99,8 @@ class AsyncOmni:
                     raise item
                 if item.finished:
                     remaining -= 1
+                if item.finish_reason == "error":
+                    raise StageFailedError(item.error or "a stage failed")
                 yield item
         finally:
             if remaining:
@@ -117,6 +119,7 @@ class AsyncOmni:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        self.engine.close()   # stage processes / actors
 
     def __enter__(self):
         return self

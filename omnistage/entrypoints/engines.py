@@ -40,11 +40,23 @@ class OutputOptions:
         return "audio" in mods
 
 
-def build_engine(config: EngineConfig, omni_settings=None):
+def build_engine(config: EngineConfig, omni_settings=None, deploy=None):
+    """`deploy`: a DeployConfig or a YAML path saying where each stage runs (omni models)."""
     if architecture_of(read_config(config.model)) in OMNI_ARCHITECTURES:
+        from omnistage.deploy import DeployConfig
+        from omnistage.models.qwen2_5_omni import recipe
         from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
 
-        return Qwen2_5OmniPipeline(config, omni_settings)
+        settings = omni_settings or recipe.OmniSettings()
+        placement = None
+        if deploy is not None:
+            deploy = deploy if isinstance(deploy, DeployConfig) else DeployConfig.from_yaml(deploy)
+            deploy.check(recipe.stage_names(config.model, settings))
+            placement = deploy.placement(recipe.__name__, config, settings)
+        return Qwen2_5OmniPipeline(config, settings, placement)
+    if deploy is not None:
+        raise InvalidRequestError("a deploy config applies to multi-stage (omni) models only",
+                                  param="deploy_config")
     return LLMEngine(config)
 
 

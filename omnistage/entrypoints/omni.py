@@ -12,7 +12,7 @@ import numpy as np
 from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
 from omnistage.entrypoints.model_source import resolve_model
 from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, StageFailedError
 from omnistage.outputs import CompletionOutput, Delta, OmniOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -29,14 +29,24 @@ def engine_config(model: str, options: dict) -> EngineConfig:
 class Omni:
     """`Omni(model=PATH_OR_tiny:ARCH, **engine options).generate(prompts, sampling_params)`."""
 
-    def __init__(self, model: str, omni_settings=None, **options):
+    def __init__(self, model: str, omni_settings=None, deploy_config=None, **options):
         """`omni_settings` (omni models): an OmniSettings (audio output, vocoder, media limits)."""
         self.config = engine_config(model, options)
-        self.engine = build_engine(self.config, omni_settings)
+        self.engine = build_engine(self.config, omni_settings, deploy_config)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop stage processes / actors, if the deploy config started any."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, sampling_params=None, return_hidden_states: bool = False,
                  use_tqdm: bool = False, output: OutputOptions | None = None) -> list[OmniOutput]:
@@ -104,7 +114,10 @@ class Omni:
         """Step until these requests finish; on any exit before that, abort them."""
         try:
             while any(rid in self.engine.requests for rid in outputs):
-                yield from self.engine.step()
+                for d in self.engine.step():
+                    if d.finish_reason == "error":
+                        raise StageFailedError(d.error or "a stage failed")
+                    yield d
         finally:
             self._abort(outputs)
 

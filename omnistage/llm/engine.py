@@ -279,6 +279,9 @@ class LLMEngine:
             return "length", None, len(text)
         return None, None, 0
 
+    def close(self) -> None:
+        """Nothing to release beyond memory (for the same interface as stage pipelines)."""
+
     # ---- stats ----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

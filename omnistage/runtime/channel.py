@@ -368,16 +368,18 @@ class ChildProcess:
 
 def spawn_child(target: Callable[[bytes], None], types: Sequence[type],
                 config: ChannelConfig | None = None, *, name: str | None = None,
-                start_method: str = "spawn") -> ChildProcess:
+                start_method: str = "spawn", wait: bool = True) -> ChildProcess:
     """Start `target(spec)` (a module-level function that calls `Channel.connect(spec, types)`)
-    in a new process and wait for its HELLO. Only the spec bytes cross the process start."""
+    in a new process and (unless `wait` is False: then the first recv does) wait for its
+    HELLO. Only the spec bytes cross the process start."""
     channel, spec = Channel.listen(types, config)
     process = multiprocessing.get_context(start_method).Process(
         target=target, args=(spec,), name=name, daemon=True)
     try:
         process.start()
         channel.watch(process.sentinel)
-        channel.wait_ready(channel.config.handshake_timeout_s)
+        if wait:
+            channel.wait_ready(channel.config.handshake_timeout_s)
     except BaseException:
         channel.close()
         if process.pid is not None:
@@ -394,3 +396,16 @@ def _abandon(ctx: zmq.Context, sock: zmq.Socket, arena: ShmArena | None) -> None
     if arena is not None:
         arena.close()
 
+
+
+def wait_any(channels: Sequence[Channel], timeout: float | None) -> None:
+    """Block until one of `channels` has a message or a dead peer to report (or `timeout` s).
+    One poller over every socket and peer sentinel: no polling loop."""
+    if any(ch._inbox or ch._peer_gone for ch in channels):
+        return
+    poller = zmq.Poller()
+    for ch in channels:
+        poller.register(ch._sock, zmq.POLLIN)
+        if ch._sentinel is not None:
+            poller.register(ch._sentinel, zmq.POLLIN)
+    poller.poll(None if timeout is None else int(timeout * 1000))

@@ -99,7 +99,7 @@ class ARStage:
                 self._feeds.pop(d.request_id, None)
             out.append(StageOutput(self.name, d.request_id, ARStepOutput(
                 d.request_id, d.token_ids, d.text, d.hidden_states, d.input_embeds,
-                d.finished, d.finish_reason, d.num_prompt_tokens)))
+                d.finished, d.finish_reason, d.num_prompt_tokens), final=d.finished))
         return out
 
     def abort(self, request_id: str) -> None:
@@ -111,3 +111,6 @@ class ARStage:
 
     def num_requests(self) -> int:
         return len(self.engine.requests)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""

@@ -20,6 +20,14 @@ class StageOutput(msgspec.Struct):
     stage: str
     request_id: str
     payload: Any
+    final: bool = False     # the stage is done with this request (holds nothing for it now)
+
+
+class StageFailure(msgspec.Struct):
+    """A stage could not serve a request (it refused the input, or its process died)."""
+
+    request_id: str
+    message: str
 
 
 @runtime_checkable
@@ -40,3 +48,6 @@ class Stage(Protocol):
 
     def num_requests(self) -> int:
         """Requests the stage holds (running or waiting for input); 0 after all finished."""
+
+    def close(self) -> None:
+        """Release the stage's resources (its process, for a remote stage)."""

@@ -44,7 +44,7 @@ class EncoderStage:
         if not batch:
             return []
         outs = self.encoders.encode(batch)
-        return [StageOutput(self.name, j.request_id, o) for j, o in zip(batch, outs)]
+        return [StageOutput(self.name, j.request_id, o, final=True) for j, o in zip(batch, outs)]
 
     def abort(self, request_id: str) -> None:
         self._queue.pop(request_id, None)
@@ -54,3 +54,6 @@ class EncoderStage:
 
     def num_requests(self) -> int:
         return len(self._queue)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""

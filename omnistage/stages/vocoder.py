@@ -74,7 +74,7 @@ class VocoderStage:
                 with torch.inference_mode():
                     pieces += s.finish()
             samples = torch.cat(pieces).float().cpu() if pieces else torch.zeros(0)
-            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done)))
+            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done), final=done))
             if done:
                 self.abort(rid)
         return out
@@ -89,3 +89,6 @@ class VocoderStage:
 
     def num_requests(self) -> int:
         return len(self._streams)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""

@@ -1,6 +1,7 @@
 """The non-weight files of a tiny Qwen2.5-Omni folder: the tokenizer with Omni's added tokens,
-the processor configs HF's `Qwen2_5OmniProcessor.save_pretrained` cannot write here (its video
-processor needs torchvision), chat_template.json, and the speakers (spk_dict.pt).
+generation_config.json with the talker's defaults, the processor configs that HF's
+`Qwen2_5OmniProcessor.save_pretrained` cannot write here (its video processor needs
+torchvision), chat_template.json, and the speakers (spk_dict.pt).
 
 Token layout (after the byte-level BPE ids, like the real tokenizer after its 151643 BPE ids):
     +0 <|endoftext|>  +1 <|im_start|>  +2 <|im_end|>
@@ -20,12 +21,12 @@ tokenizer (every id decodes, and `skip_special_tokens` drops them).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers import AddedToken
-from transformers import Qwen2Tokenizer
+from transformers import GenerationConfig, Qwen2_5OmniTalkerConfig, Qwen2Tokenizer
 
 from omnistage.tiny.tokenizer import ENDOFTEXT, IM_END, IM_START, OMNI_CHAT_TEMPLATE, build_qwen_tokenizer
 
@@ -80,6 +81,19 @@ class OmniTokenIds:
     user: int | None = None  # first token of "user" (config user_token_id; unused by HF modeling)
 
 
+@dataclass(frozen=True)
+class TalkerDefaults:
+    """The talker's generation defaults, written to generation_config.json as `talker_*`."""
+
+    max_new_tokens: int
+    min_new_tokens: int  # guards against an early EOS (a random talker's, with other weights)
+    do_sample: bool = True  # the rest: HF's Qwen2_5OmniForConditionalGeneration.generate defaults
+    top_k: int = 40
+    top_p: float = 0.8
+    temperature: float = 0.9
+    repetition_penalty: float = 1.05
+
+
 def build_omni_tokenizer(vocab_size: int, model_max_length: int) -> tuple[Qwen2Tokenizer, OmniTokenIds]:
     """The offline BPE with Omni's added tokens and chat template; ids of the tokens that matter."""
     added = [*_OMNI_SPECIAL, *(AddedToken(t, special=False, normalized=False) for t in _PLAIN),
@@ -120,6 +134,20 @@ def make_speakers(
 def write_speakers(path: Path, speakers: dict[str, dict[str, torch.Tensor | int]]) -> None:
     """torch.save of ints and tensors only: loadable with `weights_only=True`, as HF requires."""
     torch.save(speakers, path)
+
+
+def generation_config(
+    ids: OmniTokenIds, talker: Qwen2_5OmniTalkerConfig, defaults: TalkerDefaults
+) -> GenerationConfig:
+    """Thinker ids as the qwen2 builder writes them, plus the talker's defaults as `talker_*`."""
+    talker_kwargs = {f"talker_{k}": v for k, v in asdict(defaults).items()}
+    talker_kwargs["talker_eos_token_id"] = [talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id]
+    return GenerationConfig(
+        bos_token_id=ids.endoftext,
+        eos_token_id=[ids.im_end, ids.endoftext],
+        pad_token_id=ids.endoftext,
+        **talker_kwargs,
+    )
 
 
 def _write_json(path: Path, data: dict) -> None:

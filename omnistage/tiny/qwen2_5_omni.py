@@ -1,50 +1,45 @@
 """Tiny random Qwen2.5-Omni (`Qwen2_5OmniForConditionalGeneration`) checkpoints, built offline.
 
-Writes the real Qwen/Qwen2.5-Omni-3B/-7B layout: config.json (thinker: text + audio + vision;
-talker; token2wav: DiT + BigVGAN; enable_audio_output true), model.safetensors (sharded with an
-index above `max_shard_size`; tensor names as in the real checkpoint: thinker.model.*,
-thinker.audio_tower.*, thinker.visual.*, talker.*, token2wav.code2wav_{dit,bigvgan}_model.*),
-generation_config.json, spk_dict.pt, tokenizer.json + tokenizer_config.json,
-preprocessor_config.json, video_preprocessor_config.json, chat_template.json (see
-`omnistage.tiny.omni_files` for the tokenizer layout, the processor files and the speakers).
-The same (size, overrides, seed) writes identical bytes. `overrides` is a nested dict shaped
-like config.json, deep-merged into the config (e.g. {"thinker_config": {"text_config":
-{"num_hidden_layers": 3}}}).
+Writes the layout of Qwen/Qwen2.5-Omni-3B/-7B: config.json (thinker: text + audio + vision;
+talker; token2wav: DiT + BigVGAN; enable_audio_output), model.safetensors (shards + index above
+`max_shard_size`; the real tensor names: thinker.model.*, thinker.audio_tower.*, thinker.visual.*,
+talker.*, token2wav.code2wav_{dit,bigvgan}_model.*), generation_config.json, spk_dict.pt, the
+tokenizer, processor configs and chat_template.json (see `omnistage.tiny.omni_files`). Same
+(size, overrides, seed) -> identical bytes. `overrides` is nested like config.json and
+deep-merged, e.g. {"thinker_config": {"text_config": {"num_hidden_layers": 3}}}; an untied
+lm_head needs {"thinker_config": {"tie_word_embeddings": False, "text_config": {...: False}}}.
 
-Ids (thinker vocab = the tokenizer, exactly; ids counted from the first added token B):
-- endoftext B, im_start B+1, im_end B+2 (eos), AUDIO B+3, audio_bos B+4, audio_eos B+5,
-  vision_bos B+9, vision_eos B+10, vision_pad B+11, IMAGE B+12, VIDEO B+13: the config's
-  audio/image/video_token_index, audio_start/end_token_id and vision_start/end_token_id equal
-  them, in the thinker *and* the talker config (the talker's rope index reads thinker ids).
-- talker tts_text_pad/start/end = <|tts_pad|>/<|tts_bos|>/<|tts_eos|> (B+22..B+24) and the
-  speakers' text bos <|tts_bos_chelsie|>/<|tts_bos_ethan|> (B+25, B+26): real thinker tokens.
-- talker codec ids sit above the codebook like the real 8292/8293/8294/8296 above 8192 codes:
-  tiny: 128 codes, pad 132, start 133, end 134, mask 136, talker vocab 144; small: the real ids
-  (8192 codes, 8292/8293/8294/8296, vocab 8448).
-- Talker EOS: [tts_codec_pad, tts_codec_end] (HF's generate stops on `talker_eos_token_id`,
-  default [8292, 8294], the real model's [pad, end]); tiny [132, 134]. transformers' generate
-  does not read it from the config: pass it. generation_config.json holds the talker's
-  defaults as `talker_*` keys named like `Qwen2_5OmniForConditionalGeneration.generate`'s
-  keywords (eos ids, min/max new tokens, sampling), so `generate(ids, **talker_kwargs)` works.
-- DiT `num_embeds` = talker vocab (real: 8193 < 8448): a random talker may emit any id, and
-  every id must have a codec embedding row.
+Ids. The thinker vocab is exactly the tokenizer; from its first added id B (real: 151643):
+endoftext B, im_start B+1, im_end B+2 (eos), AUDIO B+3, audio_bos B+4, audio_eos B+5,
+vision_bos B+9, vision_eos B+10, vision_pad B+11, IMAGE B+12, VIDEO B+13. The thinker *and*
+talker configs carry these (the talker's 3D rope index reads thinker ids). Talker
+tts_text_pad/start/end = <|tts_pad|>/<|tts_bos|>/<|tts_eos|> (B+22..24) and the speakers' text
+bos <|tts_bos_chelsie|>/<|tts_bos_ethan|> (B+25, B+26) are real thinker tokens. Codec ids sit
+above the codebook as the real 8292/8293/8294/8296 sit above 8192 codes: tiny 128 codes, pad
+132, start 133, end 134, mask 136, talker vocab 144; small the real ids and vocab 8448. DiT
+`num_embeds` = talker vocab (real 8193 < 8448): a random talker may emit any id.
 
-Sizes (parameters counted by `count_parameters`):
-- tiny (~0.6M, for tests): text 64 wide, 2 layers, 4/2 heads (GQA), head_dim 16, mrope
-  [2, 3, 3] (sum 8 = head_dim/2), vocab 512, tied; audio tower 2 layers, d_model 32; vision 2
-  blocks (block 0 windowed, block 1 full: fullatt_block_indexes [1]), hidden 32; talker 2
-  layers, hidden 32, 4/2 heads of 16; DiT 3 blocks (0 looks back, 1 looks ahead, 2 local),
-  hidden 32; BigVGAN upsample_initial_channel 64 (6 halvings, 240 samples per mel frame).
-- small (~93M, for benchmarks): text 512 wide, 12 layers, 8/2 heads, head_dim 64, inter 1792,
-  vocab 32000, tied (57.3M); talker 6 layers, hidden 384 (17M); DiT 6 blocks of 256 (7M);
-  BigVGAN 192 channels (1.9M); audio 4 layers and vision 4 blocks of 256 (10M).
-Kept from the real model at both sizes: 128 mel bins, n_window 100, patch 14, temporal patch
-2, merge 2, window 112, DiT block_size 24 and repeats 2, mel_dim 80, BigVGAN rates/kernels.
+Talker EOS = [codec pad, codec end] (tiny [132, 134]), as the real [8292, 8294] that HF's
+`generate(talker_eos_token_id=...)` defaults to; HF does not read it from the config, so it is
+written with the talker's other defaults as `talker_*` keys of generation_config.json, named
+like `generate`'s keywords: `model.generate(ids, **talker_keys)` works. Measured: with these
+weights the sampled talker (top-k 40) almost never draws EOS, so audio lasts
+`talker_max_new_tokens` codes (50 codes = 1 s): tiny 64 (1.28 s), small 300 (6 s, the benchmark
+anchor); `talker_min_new_tokens` (24 / 50) guards against the early EOS of other weights.
 
-Weights: `omnistage.tiny.init` scales for the thinker and talker (greedy tokens far above
-float noise); convolutions N(0, gain / sqrt(fan_in)); DiT linears at a smaller gain (its
-residual stream is gated 22 times in the real model and must stay finite through the ODE);
-BigVGAN gain chosen so the waveform has a speech-like RMS (~0.1) without clipping.
+Sizes (`count_parameters`): tiny 0.58M: text 64 wide, 2 layers, 4/2 heads of 16 (GQA), mrope
+[2, 3, 3] (sums to head_dim/2), vocab 512, tied; audio 2 layers of 32; vision 2 blocks of 32
+(block 0 windowed, 1 full: fullatt_block_indexes [1]); talker 2 layers of 32, 4/2 heads of 16;
+DiT 3 blocks of 32 (0 looks back, 1 ahead, 2 local); BigVGAN 64 channels (the least for six
+halvings). small 92.9M: text 57.3M (512 wide, 12 layers, 8/2 heads of 64, inter 1792, vocab
+32000, tied); audio 4.4M (5 layers of 256); vision 5.1M (4 blocks of 256, full at 1 and 3);
+talker 17.2M (6 layers of 384, 6/2 heads of 64); DiT 7.1M (6 blocks of 256); BigVGAN 1.9M (192).
+Both keep the real 128 mel bins, n_window 100, patch 14 x 2 frames, merge 2, window 112, DiT
+block 24 and repeats 2, mel_dim 80, BigVGAN rates/kernels (240 samples per mel frame, 24 kHz).
+
+Weights: `omnistage.tiny.init` scales for thinker and talker (greedy top-2 logit gaps far
+above float noise); convolutions N(0, gain / sqrt(fan_in)); the DiT at gain 1 with its output
+bias at a speech log-mel level; BigVGAN calibrated to a zero-mean waveform of RMS 0.1.
 """
 
 from __future__ import annotations
@@ -55,18 +50,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import (
-    GenerationConfig,
-    Qwen2_5OmniConfig,
-    Qwen2_5OmniForConditionalGeneration,
-    Qwen2_5OmniTalkerConfig,
-)
+from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.omni_files import (
     SPEAKERS,
     OmniTokenIds,
+    TalkerDefaults,
     build_omni_tokenizer,
+    generation_config,
     make_speakers,
     write_processor_files,
     write_speakers,
@@ -151,19 +143,6 @@ class DiTShape:
 
 
 @dataclass(frozen=True)
-class TalkerDefaults:
-    """The talker's generation defaults, written to generation_config.json as `talker_*`."""
-
-    max_new_tokens: int
-    min_new_tokens: int  # a random talker hits EOS early: this gives audio of useful length
-    do_sample: bool = True  # the rest: HF's Qwen2_5OmniForConditionalGeneration.generate defaults
-    top_k: int = 40
-    top_p: float = 0.8
-    temperature: float = 0.9
-    repetition_penalty: float = 1.05
-
-
-@dataclass(frozen=True)
 class OmniSize:
     text: TextShape
     audio: AudioShape
@@ -198,7 +177,7 @@ SIZES: dict[str, OmniSize] = {
                      look_ahead_layers=(3,), look_backward_layers=(0, 5), enc_emb_dim=192, enc_dim=128,
                      enc_channels=(128, 128, 128, 128, 384), enc_attention_channels=64, enc_se_channels=64),
         bigvgan_channels=192,
-        talker_defaults=TalkerDefaults(max_new_tokens=1024, min_new_tokens=50),
+        talker_defaults=TalkerDefaults(max_new_tokens=300, min_new_tokens=50),
         ref_mel_frames=128,
     ),
 }
@@ -327,7 +306,7 @@ def _reinit_convs_(module: nn.Module, gen: torch.Generator, gain: float, bias_st
 
 @torch.no_grad()
 def reinit_omni_(model: Qwen2_5OmniForConditionalGeneration, seed: int, calibration_mel: torch.Tensor) -> None:
-    """Deterministic weights for `seed`; each part draws from its own seed (seed * 8 + index).
+    """Deterministic weights for `seed`; each part draws from its own seeds (16 * seed + k).
     `calibration_mel` (1, mel_dim, T): a log-mel the vocoder's output level is calibrated on."""
     dit = model.token2wav.code2wav_dit_model
     bigvgan = model.token2wav.code2wav_bigvgan_model
@@ -338,8 +317,8 @@ def reinit_omni_(model: Qwen2_5OmniForConditionalGeneration, seed: int, calibrat
         (bigvgan, InitScale(), BIGVGAN_CONV_GAIN),
     ]
     for index, (part, scale, conv_gain) in enumerate(parts):
-        reinit_weights_(part, seed * 8 + index, scale)
-        gen = torch.Generator().manual_seed(seed * 8 + index + 4)
+        reinit_weights_(part, 16 * seed + index, scale)
+        gen = torch.Generator().manual_seed(16 * seed + 4 + index)
         _reinit_convs_(part, gen, conv_gain, scale.bias_std)
     # The ODE integrates the predicted velocity over t in [0, 1] from N(0, 1) noise, so this
     # bias lands the mel near speech level instead of near 0 (= very loud).
@@ -365,21 +344,10 @@ def calibrate_vocoder_(bigvgan: nn.Module, mel: torch.Tensor) -> None:
     conv.weight.mul_(WAVEFORM_RMS / rms)
 
 
-def generation_config(ids: OmniTokenIds, talker: Qwen2_5OmniTalkerConfig, defaults: TalkerDefaults) -> GenerationConfig:
-    """Thinker ids as the qwen2 builder writes them, plus the talker's defaults as `talker_*`."""
-    talker_kwargs = {f"talker_{k}": v for k, v in asdict(defaults).items()}
-    talker_kwargs["talker_eos_token_id"] = [talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id]
-    return GenerationConfig(
-        bos_token_id=ids.endoftext,
-        eos_token_id=[ids.im_end, ids.endoftext],
-        pad_token_id=ids.endoftext,
-        **talker_kwargs,
-    )
-
-
 def build(options: TinyBuildOptions) -> None:
     size = SIZES[options.size]
-    text_overrides = options.overrides.get("thinker_config", {}).get("text_config", {})
+    thinker = options.overrides.get("thinker_config", {})
+    text_overrides = thinker.get("text_config", {}) if isinstance(thinker, Mapping) else {}
     vocab_size = int(text_overrides.get("vocab_size", size.text.vocab_size))
     max_len = int(text_overrides.get("max_position_embeddings", size.text.max_position_embeddings))
     tokenizer, ids = build_omni_tokenizer(vocab_size, model_max_length=max_len)
@@ -390,7 +358,7 @@ def build(options: TinyBuildOptions) -> None:
         torch.manual_seed(options.seed)
         model = Qwen2_5OmniForConditionalGeneration(config).eval()
     dit = config.token2wav_config.dit_config
-    speakers = make_speakers(ids, dit.enc_emb_dim, dit.mel_dim, size.ref_mel_frames, options.seed)
+    speakers = make_speakers(ids, dit.enc_emb_dim, dit.mel_dim, size.ref_mel_frames, 16 * options.seed + 8)
     # A short slice keeps the calibration cheap: (1, T, mel_dim) -> (1, mel_dim, <=32)
     calibration_mel = speakers[SPEAKERS[0]]["ref_mel"][:, :32].transpose(1, 2)
     reinit_omni_(model, options.seed, calibration_mel)

@@ -189,6 +189,10 @@ class VocoderStream:
         self.mel, self.start, self.done = self.mel[:, keep - self.start:], keep, end
         return pcm
 
+    def pending(self) -> bool:
+        """Frames were pushed that have no samples out yet."""
+        return self.mel is not None and self.start + self.mel.shape[1] > self.done
+
     def flush(self) -> torch.Tensor | None:
         """The mel ended: the samples not emitted yet, or None."""
         return None if self.mel is None else self.push(self.mel[:, :0], final=True)

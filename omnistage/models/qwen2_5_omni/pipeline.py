@@ -29,6 +29,7 @@ from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
 from omnistage.models.loader import read_config
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages.remote import wait_all_started
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,10 @@ class Qwen2_5OmniPipeline:
             return build()
 
         place = placement or here
+        self._stage_names = stage_names(model_dir, self.settings)
         stages = [place(name, lambda name=name: build_stage(name, config, self.settings))
                   for name in stage_names(model_dir, self.settings)]
+        wait_all_started(stages)
         self.graph = StageGraph(stages, build_router(config, self.settings))
         pre_file = model_dir / "preprocessor_config.json"
         pre = json.loads(pre_file.read_text()) if pre_file.is_file() else {}
@@ -120,3 +123,7 @@ class Qwen2_5OmniPipeline:
     @property
     def num_aborted_requests(self) -> int:
         return self.graph.num_aborted_requests
+
+    def close(self) -> None:
+        """Stop stage processes / actors (no-op for an all-local graph)."""
+        self.graph.close()

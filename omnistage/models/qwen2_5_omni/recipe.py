@@ -101,3 +101,18 @@ def build_router(config: EngineConfig, settings: OmniSettings) -> OmniRouter:
 def generation_defaults(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "generation_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# What a stage process needs to know of this recipe (see omnistage.runtime.stage_worker).
+SETTINGS = OmniSettings
+
+
+def _message_types() -> list[type]:
+    from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, EncodedMedia,
+                                                        EncodeJob)
+    from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
+
+    return [ARRequest, ARFeed, ARStepOutput, EncodeJob, EncodedMedia, CodecChunk, AudioChunk]
+
+
+MESSAGE_TYPES = _message_types()

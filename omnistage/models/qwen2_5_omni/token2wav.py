@@ -70,9 +70,8 @@ class NoiseSource:
         while (self.first + len(self.blocks)) * self.block < end:
             self.blocks.append(torch.randn(self.block, self.mel_dim, generator=self.generator,
                                            device=self.generator.device).to(self.device, self.dtype))
-        drawn = torch.cat(self.blocks)
         base = self.first * self.block
-        return drawn[start - base:end - base]
+        return torch.cat(self.blocks)[start - base:end - base]
 
     def release(self, before: int) -> None:
         """Forget generator blocks that end at or before frame `before`."""
@@ -119,7 +118,7 @@ def solve(dit: DiTModel, jobs: list[DiTJob], steps: int, sway: float | None) -> 
 
     def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         xr = torch.cat([x, x if all_cfg else x[cfg_idx]]) if cfg else x
-        out = dit(xr, static, t, layout, rope, masks)
+        out = dit(xr, static, t, rope, masks)
         v = out[:n]
         if all_cfg:
             v = v + (v - out[n:]) * scale
@@ -140,15 +139,15 @@ def solve(dit: DiTModel, jobs: list[DiTJob], steps: int, sway: float | None) -> 
 
 
 class Token2Wav(nn.Module):
-    """Built from `Qwen2_5OmniToken2WavConfig`; runs in float32 (as the reference requires)."""
+    """Built from `Qwen2_5OmniToken2WavConfig`; runs in float32 only (as the reference requires)."""
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
-        self.config = config
-        self.device = torch.device(device)
+        if dtype != torch.float32:
+            raise ValueError(f"token2wav runs in float32 (the reference's requirement); got {dtype}")
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.code2wav_dit_model = DiTModel(config.dit_config, dtype, self.device)
         self.code2wav_bigvgan_model = BigVGAN(config.bigvgan_config, dtype, self.device)
-        self.dtype = dtype
 
     @property
     def dit(self) -> DiTModel:
@@ -158,7 +157,8 @@ class Token2Wav(nn.Module):
     def vocoder(self) -> BigVGAN:
         return self.code2wav_bigvgan_model
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "token2wav.") -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     prefix: str = "token2wav.") -> set[str]:
         """Fill every parameter from checkpoint tensors named `prefix + our name`. Derived tensors
         some checkpoints carry (rotary inv_freq, resampling FIR filters) are recomputed, not read."""
         derived = (".rotary_embed.inv_freq", ".filter")
@@ -166,10 +166,6 @@ class Token2Wav(nn.Module):
         loaded = load_prefixed(self, kept, prefix)
         require_complete(self, loaded, "token2wav")
         return loaded
-
-    def pack_for_onednn(self) -> int:
-        """CPU speed-up of the DiT's GEMMs (call after loading); returns linears packed."""
-        return self.dit.pack_for_onednn()
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor, cond: torch.Tensor, ref_mel: torch.Tensor,
@@ -202,6 +198,7 @@ class Token2Wav(nn.Module):
     def check_codes(self, codes, whole: bool = False) -> torch.Tensor:
         """-> (T,) long on the device. whole: a whole utterance (non-empty, within the DiT's length)."""
         codes, c = torch.as_tensor(codes), self.config.dit_config
+        codes = codes.reshape(1) if codes.dim() == 0 else codes
         if codes.dim() != 1 or codes.is_floating_point() or codes.is_complex():
             raise InvalidRequestError(f"codes must be a 1-D integer sequence; got shape "
                                       f"{tuple(codes.shape)} of {codes.dtype}", param="codes")
@@ -209,8 +206,7 @@ class Token2Wav(nn.Module):
             raise InvalidRequestError(f"codec ids must be in [0, {c.num_embeds}]", param="codes")
         if whole and codes.numel() == 0:
             raise InvalidRequestError("codes is empty; send at least one codec id", param="codes")
-        if whole:
-            self.check_frames(codes.numel() * c.repeats)
+        self.check_frames(codes.numel() * c.repeats if whole else 0)
         return codes.to(self.device, torch.long)
 
     @torch.no_grad()
@@ -268,8 +264,7 @@ class StreamConfig:
 
     @classmethod
     def for_dit(cls, c) -> "StreamConfig":
-        """From the DiT's masks: look back as many blocks as the layers that look back, ahead as
-        many as the layers that look ahead (one pass's exact reach), three blocks per chunk."""
+        """Per the DiT's masks: one pass's exact reach back and ahead (in blocks); 3-block chunks."""
         block = math.ceil(c.block_size / c.repeats)
         return cls(chunk_size=3 * block, look_ahead=len(c.look_ahead_layers) * block,
                    look_back=len(c.look_backward_layers) * block)
@@ -296,14 +291,14 @@ class Token2WavStream:
         self.cfg = config or StreamConfig.for_dit(c)
         self.repeats = c.repeats
         self.align = math.lcm(c.block_size, c.repeats) // c.repeats    # codes per window-start step
-        vctx = self.cfg.vocoder_context
-        self.vctx = model.vocoder.receptive_field() if vctx is None else vctx
+        self.vctx = (model.vocoder.receptive_field() if self.cfg.vocoder_context is None
+                     else self.cfg.vocoder_context)
         if self.cfg.chunk_size * self.repeats <= self.vctx:
             raise InvalidRequestError(
                 f"chunk_size must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
                 f"{self.vctx} frames) for the first chunk to carry audio", param="chunk_size")
-        window = (self.cfg.look_back + self.align + self.cfg.chunk_size + self.cfg.look_ahead) * self.repeats
-        model.check_frames(window)
+        model.check_frames(self.repeats * (self.cfg.look_back + self.align + self.cfg.chunk_size
+                                           + self.cfg.look_ahead))          # the longest window
         self.speaker = model.speaker_terms(cond, ref_mel)
         self.noise = NoiseSource(noise, c.mel_dim, c.block_size, model.device, model.dtype)
         self.codes = torch.empty(0, dtype=torch.long, device=model.device)
@@ -319,11 +314,13 @@ class Token2WavStream:
 
     def finish(self) -> list[torch.Tensor]:
         """No more codes: decode the rest and flush the vocoder's tail."""
-        self._check_open()
+        self.end()
+        return self._drain()
+
+    def end(self) -> None:
+        """No more codes will come (without decoding; step_streams decodes the rest)."""
+        self.feed(torch.zeros(0, dtype=torch.long))       # raises if closed
         self.finishing = True
-        out = self._drain()
-        tail = self.vocoder.flush()
-        return out + ([tail] if tail is not None else [])
 
     def close(self) -> None:
         """Release every buffer; the stream cannot be used afterwards."""
@@ -332,10 +329,11 @@ class Token2WavStream:
 
     def feed(self, codes) -> None:
         """Add codes without decoding (step_streams decodes many streams together)."""
-        self._check_open()
-        if self.finishing:
-            raise InvalidRequestError("codes arrived after finish(); open a new stream", param="codes")
+        if self.closed:
+            raise InvalidRequestError("this token2wav stream is closed; open a new one")
         codes = self.model.check_codes(codes)
+        if self.finishing and codes.numel():
+            raise InvalidRequestError("codes arrived after finish(); open a new stream", param="codes")
         self.codes = torch.cat([self.codes, codes])
         self.received += codes.numel()
 
@@ -345,14 +343,17 @@ class Token2WavStream:
         return not self.closed and (left >= self.cfg.chunk_size + self.cfg.look_ahead
                                     or (self.finishing and left > 0))
 
+    def has_work(self) -> bool:
+        """A chunk to decode, or (after end()) PCM still to emit."""
+        return self.ready() or (self.finishing and not self.closed and self.vocoder.pending())
+
     def plan(self) -> ChunkPlan:
         cs, c = self.next, self.cfg
         if self.received - cs >= c.chunk_size + c.look_ahead:
             ce, we = cs + c.chunk_size, cs + c.chunk_size + c.look_ahead
         else:                       # finishing: the rest is one window
             ce = we = self.received
-        ws = self._window_start(cs)
-        r = self.repeats
+        ws, r = self._window_start(cs), self.repeats
         job = DiTJob(self.codes[ws - self.codes_start:we - self.codes_start],
                      self.noise.frames(ws * r, we * r), self.speaker, self.guidance, ws * r)
         return ChunkPlan(job, ((cs - ws) * r, (ce - ws) * r), ce)
@@ -363,34 +364,32 @@ class Token2WavStream:
         ws = self._window_start(self.next)          # nothing before it is needed again
         self.codes, self.codes_start = self.codes[ws - self.codes_start:], ws
         self.noise.release(ws * self.repeats)
-        final = self.finishing and self.next == self.received
-        return self.vocoder.push(mel[plan.keep[0]:plan.keep[1]].T, final)
+        return self.vocoder.push(mel[plan.keep[0]:plan.keep[1]].T,
+                                 final=self.finishing and self.next == self.received)
 
     def _window_start(self, chunk_start: int) -> int:
         return max(0, (chunk_start - self.cfg.look_back) // self.align * self.align)
 
     def _drain(self) -> list[torch.Tensor]:
         out = []
-        while self.ready():
+        while self.has_work():
             pcm = step_streams([self])[0]
             if pcm is not None:
                 out.append(pcm)
         return out
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise InvalidRequestError("this token2wav stream is closed; open a new one")
-
 
 def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:
-    """Decode one chunk of every ready stream. Streams of the same model and ODE settings share
-    one batched solve (one DiT forward per evaluation for all their windows and guidance rows).
-    Returns each stream's new PCM chunk, or None."""
+    """Decode one chunk of every ready stream, and flush the tail of ended ones. Streams of the
+    same model and ODE settings share one batched solve (one DiT forward per evaluation for all
+    their windows and guidance rows). Returns each stream's new PCM chunk, or None."""
     out: list[torch.Tensor | None] = [None] * len(streams)
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(streams):
         if s.ready():
             groups.setdefault((id(s.model), s.steps, s.sway), []).append(i)
+        elif s.has_work():
+            out[i] = s.vocoder.flush()
     for idx in groups.values():
         plans = [streams[i].plan() for i in idx]
         first = streams[idx[0]]

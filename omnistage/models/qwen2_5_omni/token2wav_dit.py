@@ -281,10 +281,8 @@ class AdaNorm(nn.Module):
 
 
 def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """LayerNorm(x) * (1 + scale) + shift; scale/shift (1, D) (shared t: one fused op) or (B, D)."""
-    if scale.shape[0] == 1:
-        return F.layer_norm(x, x.shape[-1:], 1 + scale[0], shift[0], eps=1e-6)
-    return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+    """LayerNorm(x) * (1 + scale) + shift as one fused op; scale, shift (1, D): all rows share t."""
+    return F.layer_norm(x, x.shape[-1:], 1 + scale[0], shift[0], eps=1e-6)
 
 
 class DiTBlock(nn.Module):
@@ -295,8 +293,9 @@ class DiTBlock(nn.Module):
         self.attn = Attention(c)
         self.ff = FeedForward(c.hidden_size, c.ff_mult)
 
-    def forward(self, x, temb, rope, bs, mask):
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb)   # each (B|1, D)
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                bs: int, mask: torch.Tensor | None) -> torch.Tensor:
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb)   # each (1, D)
         x = x + gate_a[:, None] * self.attn(modulate(x, scale_a, shift_a), rope, bs, self.back,
                                             self.ahead, mask)
         return x + gate_f[:, None] * self.ff(modulate(x, scale_f, shift_f))
@@ -351,15 +350,17 @@ class DiTModel(nn.Module):
         """cos, sin (B, T, head_dim/2) of each row's absolute frame positions."""
         d = self.config.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
-        pos = torch.tensor(layout.offsets, device=device).view(-1, 1) + torch.arange(layout.frames, device=device)
+        pos = (torch.tensor(layout.offsets, device=device).view(-1, 1)
+               + torch.arange(layout.frames, device=device))
         ang = pos.unsqueeze(-1).float() * inv
         return ang.cos(), ang.sin()
 
-    def forward(self, x: torch.Tensor, static: torch.Tensor, t: torch.Tensor, layout: BatchLayout,
+    def forward(self, x: torch.Tensor, static: torch.Tensor, t: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor],
                 masks: dict[tuple[int, int], torch.Tensor | None]) -> torch.Tensor:
         """x (B, T, mel), static (B, T, D) per-row constant input terms, t 0-d (shared by all rows)
-        -> velocity (B, T, mel). rope/masks from rope_angles()/window_mask(), reused across passes."""
+        -> velocity (B, T, mel). rope, masks: rope_angles() and masks_for() of the batch's layout,
+        built once per solve."""
         temb = self.time_embed(t.reshape(1))                   # (1, D): every row is at the same t
         h = F.linear(x, self.input_embed.part(0)) + static
         for block in self.transformer_blocks:
@@ -367,7 +368,9 @@ class DiTModel(nn.Module):
         scale, shift = self.norm_out(temb)
         return self.proj_out(modulate(h, scale, shift))
 
-    def masks_for(self, layout: BatchLayout, device: torch.device) -> dict:
+    def masks_for(self, layout: BatchLayout,
+                  device: torch.device) -> dict[tuple[int, int], torch.Tensor | None]:
+        """window_mask() for each (back, ahead) kind of layer."""
         kinds = {(b.back, b.ahead) for b in self.transformer_blocks}
         return {k: window_mask(layout, self.block_size, *k, device) for k in kinds}
 

@@ -1,0 +1,96 @@
+"""A stage in its own OS process: the child's loop, and the control messages around the
+stage's own ones. Everything crosses as msgspec messages (tensors as raw bytes / shared
+memory); the stage is built in the child from its recipe module, config and settings.
+
+Parent -> child: StageInit (once), the stage's input messages, Abort, (closing = shutdown).
+Child -> parent: Ready | InitFailed (once), the stage's output payloads, Final (after a
+request's last output), RequestFailed (a message the stage refused).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import traceback
+
+import msgspec
+
+from omnistage.config import EngineConfig
+from omnistage.errors import OmniStageError
+from omnistage.runtime.channel import Channel, PeerDeadError
+
+log = logging.getLogger(__name__)
+
+
+class StageInit(msgspec.Struct):
+    recipe: str            # module with build_stage(name, config, settings), SETTINGS, MESSAGE_TYPES
+    name: str
+    config: EngineConfig
+    settings: bytes        # msgspec JSON of the recipe's SETTINGS dataclass
+
+
+class Ready(msgspec.Struct):
+    name: str
+
+
+class InitFailed(msgspec.Struct):
+    message: str
+
+
+class Abort(msgspec.Struct):
+    request_id: str
+
+
+class Final(msgspec.Struct):
+    request_id: str
+
+
+class RequestFailed(msgspec.Struct):
+    request_id: str
+    message: str
+
+
+CONTROL_TYPES = [StageInit, Ready, InitFailed, Abort, Final, RequestFailed]
+
+
+def message_types(recipe: str) -> list[type]:
+    return CONTROL_TYPES + list(importlib.import_module(recipe).MESSAGE_TYPES)
+
+
+def worker_main(spec: bytes, recipe: str) -> None:
+    """Child entry point (spawned): connect, build the stage, serve until the parent closes."""
+    channel = Channel.connect(spec, message_types(recipe))
+    try:
+        init = channel.recv()
+        module = importlib.import_module(init.recipe)
+        try:
+            settings = msgspec.json.decode(init.settings, type=module.SETTINGS)
+            stage = module.build_stage(init.name, init.config, settings)
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+            channel.send(InitFailed(f"building stage {init.name!r} failed: {e!r}\n{traceback.format_exc()}"))
+            return
+        channel.send(Ready(init.name))
+        _serve(channel, stage)
+    except PeerDeadError:
+        pass   # the parent closed the channel or died: nothing left to serve
+    finally:
+        channel.close()
+
+
+def _serve(channel: Channel, stage) -> None:
+    while True:
+        msg = channel.recv(0 if stage.has_work() else None)
+        while msg is not None:             # apply everything queued before stepping
+            if isinstance(msg, Abort):
+                stage.abort(msg.request_id)
+            else:
+                try:
+                    stage.add(msg)
+                except OmniStageError as e:
+                    channel.send(RequestFailed(msg.request_id, str(e)))
+            msg = channel.recv(0)
+        if stage.has_work():
+            for out in stage.step():
+                channel.send(out.payload)
+                if out.final:
+                    channel.send(Final(out.request_id))

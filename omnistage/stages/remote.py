@@ -1,0 +1,190 @@
+"""A stage running in its own OS process, seen from the graph as an ordinary Stage.
+
+add/abort send messages; step returns what the child has sent since the last step. When the
+child dies, every request it held fails with a clear error (StageFailure) and a fresh child
+is started, up to `max_restarts`; past that the stage reports itself dead and fails every
+new request at once (the pipeline is then unhealthy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+
+from omnistage.config import EngineConfig
+from omnistage.errors import ModelLoadError
+from omnistage.runtime.channel import ChannelConfig, PeerDeadError, spawn_child
+from omnistage.runtime.stage_worker import (Abort, Final, InitFailed, Ready, RequestFailed,
+                                            StageInit, message_types, worker_main)
+from omnistage.stages.base import StageFailure, StageOutput
+
+log = logging.getLogger(__name__)
+
+
+class _Target:
+    """Module-level-importable callable for spawn: binds the recipe to the worker."""
+
+    def __init__(self, recipe: str):
+        self.recipe = recipe
+
+    def __call__(self, spec: bytes) -> None:
+        worker_main(spec, self.recipe)
+
+
+class RemoteStage:
+    def __init__(self, name: str, recipe: str, config: EngineConfig, settings,
+                 start_timeout_s: float = 600.0, max_restarts: int = 3):
+        self.name, self.recipe, self.config = name, recipe, config
+        self._settings = msgspec.json.encode(settings)
+        self._types = message_types(recipe)
+        self.start_timeout_s, self.max_restarts = start_timeout_s, max_restarts
+        self.restarts = 0
+        self.dead: str | None = None          # why the stage is gone for good
+        self._inflight: set[str] = set()
+        self._failed: list[StageOutput] = []   # failures to report on the next step
+        self._child = None
+        self._launch()
+
+    # ---- process lifecycle ----------------------------------------------------------------
+    def _spawn(self):
+        """Start the child (without waiting for it); -> a handle with .channel, .alive(),
+        .shutdown(timeout), .describe()."""
+        return _ProcessHandle(spawn_child(_Target(self.recipe), self._types,
+                                          ChannelConfig(handshake_timeout_s=self.start_timeout_s),
+                                          name=f"omnistage-{self.name}", wait=False))
+
+    def _launch(self) -> None:
+        """Start the child and send it what to build; wait_started() collects its answer, so
+        several stages start (import, load weights) in parallel."""
+        self._t0 = time.monotonic()
+        self._child = self._spawn()
+        self._child.channel.send(StageInit(self.recipe, self.name, self.config, self._settings))
+
+    def wait_started(self) -> None:
+        try:
+            reply = self._child.channel.recv(self.start_timeout_s)
+        except PeerDeadError as e:
+            reply = InitFailed(f"the process exited while starting ({e})")
+        if not isinstance(reply, Ready):
+            why = reply.message if isinstance(reply, InitFailed) else f"no answer in {self.start_timeout_s} s"
+            self._child.shutdown()
+            raise ModelLoadError(f"stage {self.name!r} could not start in its process: {why}")
+        log.info("stage %s ready in %s (%.1f s)", self.name, self._child.describe(),
+                 time.monotonic() - self._t0)
+
+    def _start(self) -> None:
+        self._launch()
+        self.wait_started()
+
+    def _on_death(self, why: str) -> None:
+        log.error("stage %s: %s died (%s); failing %d requests", self.name,
+                  self._child.describe(), why, len(self._inflight))
+        self._failed += [StageOutput(self.name, rid, StageFailure(
+            rid, f"stage {self.name!r} failed: its process died ({why})"), final=True)
+            for rid in sorted(self._inflight)]
+        self._inflight.clear()
+        self._child.shutdown(timeout=1.0)
+        if self.restarts >= self.max_restarts:
+            self.dead = f"stage {self.name!r} died {self.restarts + 1} times; not restarting"
+            return
+        self.restarts += 1
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001 - the stage stays dead; requests fail cleanly
+            self.dead = f"stage {self.name!r} could not restart: {e}"
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.shutdown()
+
+    @property
+    def channel(self):
+        return self._child.channel
+
+    # ---- the Stage protocol ---------------------------------------------------------------
+    def add(self, message) -> None:
+        rid = message.request_id
+        if self.dead:
+            self._failed.append(StageOutput(self.name, rid, StageFailure(rid, self.dead), final=True))
+            return
+        self._inflight.add(rid)
+        try:
+            self.channel.send(message)
+        except PeerDeadError as e:
+            self._on_death(str(e))
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._inflight and not self.dead:
+            self._inflight.discard(request_id)
+            try:
+                self.channel.send(Abort(request_id))
+            except PeerDeadError as e:
+                self._on_death(str(e))
+
+    def step(self) -> list[StageOutput]:
+        out, self._failed = self._failed, []
+        if self.dead:
+            return out
+        try:
+            while (msg := self.channel.recv(0)) is not None:
+                if isinstance(msg, Final):
+                    self._inflight.discard(msg.request_id)
+                    if out and out[-1].request_id == msg.request_id:
+                        out[-1].final = True
+                elif isinstance(msg, RequestFailed):
+                    self._inflight.discard(msg.request_id)
+                    out.append(StageOutput(self.name, msg.request_id,
+                                           StageFailure(msg.request_id, msg.message), final=True))
+                elif msg.request_id in self._inflight:   # else: aborted meanwhile
+                    out.append(StageOutput(self.name, msg.request_id, msg))
+        except PeerDeadError as e:
+            self._on_death(str(e))
+        else:
+            if not self._child.alive():     # gone without a word (e.g. a killed Ray actor)
+                self._on_death("it stopped responding")
+        out += self._failed
+        self._failed = []
+        return out
+
+    def has_work(self) -> bool:
+        """Something to collect: a failure to report, or a message/death from the child."""
+        if self._failed:
+            return True
+        if self.dead:
+            return False
+        ch = self.channel
+        return (bool(ch._inbox) or ch._peer_gone is not None or bool(ch._sock.poll(0))
+                or not self._child.alive())
+
+    def num_requests(self) -> int:
+        return len(self._inflight)
+
+
+class _ProcessHandle:
+    def __init__(self, child):
+        self._child = child
+        self.channel = child.channel
+
+    def alive(self) -> bool:
+        return self._child.process.is_alive()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._child.shutdown(timeout)
+
+    def describe(self) -> str:
+        return f"process {self._child.process.pid}"
+
+
+def wait_all_started(stages) -> None:
+    """Collect the start-up answers of every remote stage (they start in parallel); on a
+    failure, stop the others and raise."""
+    remote = [s for s in stages if isinstance(s, RemoteStage)]
+    try:
+        for s in remote:
+            s.wait_started()
+    except BaseException:
+        for s in remote:
+            s.close()
+        raise

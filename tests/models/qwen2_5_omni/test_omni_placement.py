@@ -1,0 +1,90 @@
+"""Stages outside this process: every stage in its own OS process, or as Ray actors, give the
+same output as the in-process graph; a killed stage process fails its requests with a clear
+error within seconds and is restarted."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+
+from omnistage import Omni, SamplingParams
+from omnistage.deploy import DeployConfig
+from omnistage.entrypoints.engines import OutputOptions
+from omnistage.errors import StageFailedError
+
+STAGES = ["encoder", "thinker", "talker", "token2wav"]
+
+
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("omni-place"), seed=2))
+
+
+def _wav() -> bytes:
+    import soundfile as sf
+
+    t = np.arange(12000) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32), 16000, format="WAV")
+    return buf.getvalue()
+
+
+PROMPT = [{"role": "user", "content": [{"type": "audio", "audio": _wav()}, {"type": "text", "text": "Hm?"}]}]
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+OPTS = OutputOptions(talker_params=SamplingParams(temperature=0, max_tokens=50, min_tokens=30, seed=5))
+
+
+def _run(omni_dir, deploy=None):
+    with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        [out] = omni.generate(PROMPT, PARAMS, output=OPTS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_out(omni_dir):
+    return _run(omni_dir)
+
+
+def _same(a, b):
+    assert a.token_ids == b.token_ids
+    assert a.audio.shape == b.audio.shape
+    np.testing.assert_allclose(a.audio, b.audio, atol=1e-5)
+
+
+def test_every_stage_in_its_own_process(omni_dir, local_out):
+    _same(_run(omni_dir, DeployConfig.everywhere("process", STAGES)), local_out)
+
+
+def test_ray_actors(omni_dir, local_out):
+    pytest.importorskip("ray")
+    import ray
+
+    deploy = DeployConfig.everywhere("ray", ["thinker", "token2wav"])
+    try:
+        _same(_run(omni_dir, deploy), local_out)
+    finally:
+        ray.shutdown()
+
+
+def test_killed_stage_fails_its_requests_and_restarts(omni_dir, local_out):
+    deploy = DeployConfig.everywhere("process", ["talker"])
+    with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        talker = omni.engine.graph.stages["talker"]
+        long = OutputOptions(talker_params=SamplingParams(temperature=0, max_tokens=2000, min_tokens=2000))
+        t0 = None
+        with pytest.raises(StageFailedError, match="talker.*died"):
+            for d in omni.stream(PROMPT, PARAMS, long):
+                if d.audio is not None and t0 is None:   # mid-speech: kill the talker's process
+                    talker._child._child.process.kill()
+                    t0 = time.monotonic()
+        assert t0 is not None and time.monotonic() - t0 < 5.0
+        assert talker.restarts == 1 and talker.dead is None
+        assert not omni.engine.has_unfinished_requests()
+        assert all(s.num_requests() == 0 for s in omni.engine.graph.stages.values())
+        [again] = omni.generate(PROMPT, PARAMS, output=OPTS)   # the restarted stage serves
+    _same(again, local_out)

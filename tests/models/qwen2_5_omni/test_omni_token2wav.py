@@ -1,0 +1,349 @@
+"""token2wav (DiT flow matching + BigVGAN) against transformers' Qwen2.5-Omni (the oracle), plus
+batching across requests and streaming.
+
+The tiny model: DiT hidden 64, 4 layers (layer 0 and 3 look back a block, layer 2 looks ahead),
+8-frame blocks, 2 frames per code, 20 mel bins; BigVGAN with the real upsampling (240 samples
+per frame). transformers initialises linears and convs with std 0.02, which makes attention
+mix frames so weakly and BigVGAN so quiet that errors could hide; the fixture re-initialises
+them with PyTorch's default (fan-in scaled) init and randomises the SnakeBeta parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2_5OmniToken2WavConfig, Qwen2_5OmniToken2WavModel
+
+from omnistage.errors import CheckpointError, InvalidRequestError
+from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
+from omnistage.models.qwen2_5_omni.token2wav import (StreamConfig, Token2Wav, Token2WavRequest,
+                                                     Token2WavStream, step_streams)
+from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout
+
+DIT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16, ff_mult=2,
+           emb_dim=32, block_size=8, look_ahead_layers=[2], look_backward_layers=[0, 3], repeats=2,
+           num_embeds=100, mel_dim=20, enc_emb_dim=24, enc_dim=16, enc_channels=[32, 32, 32, 64],
+           enc_kernel_sizes=[5, 3, 3, 1], enc_dilations=[1, 2, 3, 1], enc_attention_channels=16,
+           enc_res2net_scale=2, enc_se_channels=16, dropout=0.0)
+BIGVGAN = dict(mel_dim=20, upsample_initial_channel=64, resblock_kernel_sizes=[3, 7],
+               resblock_dilation_sizes=[[1, 3, 5], [1, 3, 5]])
+MEL = 20
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = Qwen2_5OmniToken2WavConfig(dit_config=DIT, bigvgan_config=BIGVGAN)
+    torch.manual_seed(0)
+    hf = Qwen2_5OmniToken2WavModel(cfg).eval()
+    with torch.no_grad():
+        for m in hf.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.ConvTranspose1d)):
+                m.reset_parameters()
+        for name, p in hf.named_parameters():
+            if name.endswith((".alpha", ".beta")):
+                p.normal_(0, 0.3)
+    ours = Token2Wav(cfg)
+    ours.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+    return hf, ours
+
+
+def utterance(n_codes: int, seed: int, ref_frames: int = 30):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, DIT["num_embeds"] + 1, (n_codes,), generator=g),
+            torch.randn(1, DIT["enc_emb_dim"], generator=g), torch.randn(1, ref_frames, MEL, generator=g))
+
+
+# ---------------------------------------------------------------- parity with transformers
+
+@pytest.mark.parametrize("guidance", [0.5, 0.0])
+def test_decode_matches_transformers(models, guidance):
+    """Same initial noise by seeding: transformers draws it with torch.randn([1, 2T, mel]) as the
+    first random op of `sample`, so torch.manual_seed(s) before it and before our own randn gives
+    both the same tensor. Tolerance atol 1e-5 / rtol 1e-5 on mel (|mel| <= ~4) and atol 1e-5 on
+    the waveform: fp32 with a different summation order (input projection split into per-pass and
+    per-request parts, fused LayerNorm affine, block-gathered attention instead of a masked T x T
+    matrix, interleaved instead of de-interleaved RoPE), compounded over 36 evaluations; measured
+    max differences are ~6e-7 (mel) and ~1e-7 (waveform)."""
+    hf, ours = models
+    codes, cond, ref = utterance(37, seed=1)
+    torch.manual_seed(5)
+    noise = torch.randn(1, 2 * codes.numel(), MEL)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        mel_hf = hf.code2wav_dit_model.sample(cond, ref, codes[None], num_steps=10,
+                                              guidance_scale=guidance, sway_coefficient=-1.0)
+        torch.manual_seed(5)
+        wav_hf = hf(codes[None], cond, ref, num_steps=10, guidance_scale=guidance, sway_coefficient=-1.0)
+    mel = ours.mel_batch([Token2WavRequest(codes, cond, ref, noise, guidance)])[0]
+    wav = ours.decode(codes, cond, ref, noise, steps=10, guidance_scale=guidance, sway=-1.0)
+    torch.testing.assert_close(mel, mel_hf[0].T, atol=1e-5, rtol=1e-5)
+    assert wav.dtype == torch.float32 and wav.shape == (codes.numel() * 2 * 240,)
+    assert wav.abs().max() > 0.05           # a real signal, not a silent net
+    torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("offset_blocks", [0, 3])
+def test_dit_pass_matches_transformers(models, offset_blocks):
+    """One guided DiT evaluation over 74 frames (not a block multiple: padding is exercised);
+    the frame offset shifts RoPE positions, which attention must not see (RoPE is relative).
+    atol 1e-5 as above (one pass: measured ~1e-6)."""
+    hf, ours = models
+    codes, cond, ref = utterance(37, seed=2)
+    frames = 2 * codes.numel()
+    x = torch.randn(1, frames, MEL, generator=torch.Generator().manual_seed(3))
+    t = torch.tensor(0.37)
+    with torch.no_grad():
+        want = hf.code2wav_dit_model(hidden_states=x, condition_vector=ref,
+                                     speaker_embedding=cond.unsqueeze(1).repeat(1, frames, 1),
+                                     quantized_code=codes[None], time_step=t, apply_cfg=True)
+        dit, spk = ours.dit, ours.speaker_terms(cond, ref)
+        padded = 80
+        layout = BatchLayout([frames, frames], [offset_blocks * 8] * 2, padded)
+        static = torch.zeros(2, padded, 64)
+        static[0, :frames] = dit.code_terms(codes) + spk.cond
+        static[1, :frames] = spk.uncond
+        xr = torch.zeros(2, padded, MEL)
+        xr[:, :frames] = x
+        got = dit(xr, static, t, dit.rope_angles(layout, xr.device), dit.masks_for(layout, xr.device))
+    torch.testing.assert_close(got[:, :frames], want, atol=1e-5, rtol=1e-5)
+
+
+def test_load_weights_needs_every_tensor(models):
+    hf, ours = models
+    state = {f"token2wav.{k}": v for k, v in hf.state_dict().items()}
+    fresh = Token2Wav(ours.config)
+    loaded = fresh.load_weights(list(state.items()) + [
+        ("token2wav.code2wav_dit_model.rotary_embed.inv_freq", torch.ones(8)),      # derived: skipped
+        ("thinker.lm_head.weight", torch.ones(3))])                                # other prefix
+    assert loaded == set(fresh.state_dict())
+    del state["token2wav.code2wav_bigvgan_model.conv_post.weight"]
+    with pytest.raises(CheckpointError, match="lacks weights"):
+        Token2Wav(ours.config).load_weights(state.items())
+    state["token2wav.code2wav_dit_model.proj_out.bias"] = torch.zeros(3)
+    with pytest.raises(CheckpointError, match="shape"):
+        Token2Wav(ours.config).load_weights(state.items())
+
+
+# ---------------------------------------------------------------- batching
+
+def test_batch_equals_each_alone(models):
+    """Four requests of different code and reference lengths, one without guidance (no
+    unconditional row), in one DiT pass per evaluation; each gets what it gets alone (the
+    padding is masked and held at zero; measured: bit-identical here). atol 1e-5 leaves room
+    for GEMM blocking that depends on the batch size on other machines."""
+    _, ours = models
+    reqs = []
+    for i, (n, r, g) in enumerate([(13, 20, 0.5), (40, 31, 0.5), (27, 12, 0.0), (33, 25, 1.5)]):
+        codes, cond, ref = utterance(n, seed=10 + i, ref_frames=r)
+        reqs.append(Token2WavRequest(codes, cond, ref, torch.randn(1, 2 * n, MEL), g))
+    batched = ours.decode_batch(reqs)
+    for req, wav in zip(reqs, batched):
+        alone = ours.decode(req.codes, req.cond, req.ref_mel, req.noise, guidance_scale=req.guidance_scale)
+        torch.testing.assert_close(wav, alone, atol=1e-5, rtol=0)
+
+
+def test_onednn_packing_stays_close(models):
+    """The packed oneDNN GEMM sums in another order: same result to fp32 noise (atol 1e-4 on
+    mel of magnitude ~4 after 36 passes)."""
+    _, ours = models
+    packed = Token2Wav(ours.config)
+    packed.load_weights(((f"token2wav.{k}", v) for k, v in ours.state_dict().items()))
+    if packed.dit.pack_for_onednn() == 0:
+        pytest.skip("oneDNN packed linear is not available in this torch build")
+    codes, cond, ref = utterance(25, seed=4)
+    req = [Token2WavRequest(codes, cond, ref, torch.randn(1, 50, MEL))]
+    torch.testing.assert_close(packed.mel_batch(req)[0], ours.mel_batch(req)[0], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- streaming
+
+def test_vocoder_windows_are_exact(models):
+    """BigVGAN in pieces with receptive_field() frames of context equals one run (atol 1e-6,
+    fp32 noise from other conv lengths); with 2 frames of context it does not."""
+    _, ours = models
+    voc = ours.vocoder
+    mel = torch.randn(MEL, 150, generator=torch.Generator().manual_seed(6))
+    whole = voc(mel.unsqueeze(0))[0]
+    for ctx, exact in [(voc.receptive_field(), True), (2, False)]:
+        stream, pieces = VocoderStream(voc, ctx), []
+        for a, b in [(0, 37), (37, 40), (40, 101), (101, 150)]:
+            pieces.append(stream.push(mel[:, a:b]))
+        pieces.append(stream.flush())
+        got = torch.cat([p for p in pieces if p is not None])
+        assert got.shape == whole.shape
+        assert ((got - whole).abs().max() < 1e-6) == exact
+
+
+# Tests that compare two paths with each other (not with a recorded measurement) use 4 ODE
+# steps (9 evaluations instead of 36) to stay fast.
+FAST = 4
+
+
+def _stream_all(ours, codes, cond, ref, noise, cfg, one_by_one=False, steps=10):
+    """Returns the PCM chunks and the streamed mel (recorded from each chunk's kept frames)."""
+    stream, mels = Token2WavStream(ours, cond, ref, noise, cfg, steps=steps), []
+    accept = stream.accept
+
+    def record(plan, mel):
+        mels.append(mel[plan.keep[0]:plan.keep[1]])
+        return accept(plan, mel)
+
+    stream.accept = record
+    if one_by_one:
+        chunks = [c for code in codes for c in stream.push(code.view(1))]
+    else:
+        chunks = stream.push(codes)
+    chunks += stream.finish()
+    stream.close()
+    return chunks, torch.cat(mels)
+
+
+@pytest.mark.parametrize("chunk,look_ahead,max_mel,max_wav", [
+    (16, 4, 2e-3, 1e-5),     # measured: mel max 1.8e-4 rms 2.1e-5; wav max 5.1e-7 rms 8.8e-8
+    (24, 8, 2e-3, 1e-5),     # measured: mel max 1.4e-5 rms 1.4e-6; wav max 3.3e-7 rms 7.6e-8
+    (32, 0, 1e-1, 5e-4),     # measured: mel max 2.3e-2 rms 2.2e-3; wav max 5.0e-5 rms 4.3e-6
+])
+def test_stream_close_to_whole(models, chunk, look_ahead, max_mel, max_wav):
+    """120 codes (240 frames; signal rms: mel 1.16, waveform 0.18, peak 0.51), look_back 8 codes
+    (two blocks: one per look-back layer), the same noise tensor as the whole decode.
+
+    Differences come only from each window's missing context: within one pass a frame sees one
+    block ahead and two back, but over 36 passes the reach compounds, so truncated windows
+    differ slightly, most without look-ahead (no look-back: mel max 4.3e-2). The vocoder adds
+    nothing (exact windows, see above): the waveform error is BigVGAN's response to the mel
+    error. Bounds are ~10x the measured values (RMS bounds a tenth of the max bounds); a
+    misplaced window, noise slice or crop gives O(1) mel errors (checked below by shifting the
+    noise by one frame)."""
+    _, ours = models
+    codes, cond, ref = utterance(120, seed=7)
+    noise = torch.randn(1, 241, MEL, generator=torch.Generator().manual_seed(8))
+    whole_mel = ours.mel_batch([Token2WavRequest(codes, cond, ref, noise[:, :240])])[0]
+    whole = ours.vocoder(whole_mel.T.unsqueeze(0))[0]          # what decode() returns
+    chunks, mel = _stream_all(ours, codes, cond, ref, noise[:, :240], StreamConfig(chunk, look_ahead, 8))
+    wav = torch.cat(chunks)
+    assert wav.shape == whole.shape and mel.shape == whole_mel.shape
+    dm, dw = (mel - whole_mel), (wav - whole)
+    assert dm.abs().max() < max_mel and dm.pow(2).mean().sqrt() < max_mel / 10
+    assert dw.abs().max() < max_wav and dw.pow(2).mean().sqrt() < max_wav / 10
+    if chunk == 16:     # negative control: the metric sees a one-frame noise misalignment
+        _, shifted = _stream_all(ours, codes, cond, ref, noise[:, 1:], StreamConfig(chunk, look_ahead, 8))
+        assert (shifted - whole_mel).abs().max() > 0.5
+
+
+def test_stream_first_chunk_after_chunk_plus_look_ahead(models):
+    _, ours = models
+    codes, cond, ref = utterance(60, seed=9)
+    stream = Token2WavStream(ours, cond, ref, torch.Generator().manual_seed(1), StreamConfig(16, 4, 8),
+                             steps=FAST)
+    assert stream.push(codes[:19]) == []
+    first = stream.push(codes[19:20])
+    vctx = ours.vocoder.receptive_field()
+    assert len(first) == 1 and first[0].numel() == (16 * 2 - vctx) * 240   # lags by the vocoder context
+    stream.close()
+
+
+def test_stream_finish_flushes_the_vocoder_tail(models):
+    """Without look-ahead every code can be decoded before finish(); finish() then only emits
+    the last vocoder_context frames, and the total length matches the whole decode."""
+    _, ours = models
+    codes, cond, ref = utterance(48, seed=15)
+    stream = Token2WavStream(ours, cond, ref, torch.randn(1, 96, MEL), StreamConfig(16, 0, 8), steps=FAST)
+    early = stream.push(codes)
+    vctx = ours.vocoder.receptive_field()
+    assert sum(c.numel() for c in early) == (96 - vctx) * 240
+    tail = stream.finish()
+    assert len(tail) == 1 and tail[0].numel() == vctx * 240
+    assert stream.finish() == [] and not stream.has_work()
+    with pytest.raises(InvalidRequestError):
+        stream.push(codes[:1])
+
+
+def test_stream_one_code_at_a_time_equals_all_at_once(models):
+    _, ours = models
+    codes, cond, ref = utterance(70, seed=11)
+    noise = torch.randn(1, 140, MEL)
+    cfg = StreamConfig(16, 4, 8)
+    together, _ = _stream_all(ours, codes, cond, ref, noise, cfg, steps=FAST)
+    single, _ = _stream_all(ours, codes, cond, ref, noise, cfg, one_by_one=True, steps=FAST)
+    assert [c.numel() for c in single] == [c.numel() for c in together]
+    for a, b in zip(single, together):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_stream_generator_noise_matches_decode(models):
+    """A generator is drawn one DiT block at a time by both paths: same noise per frame."""
+    _, ours = models
+    codes, cond, ref = utterance(50, seed=12)
+    whole = ours.decode(codes, cond, ref, torch.Generator().manual_seed(3), steps=FAST)
+    chunks, _ = _stream_all(ours, codes, cond, ref, torch.Generator().manual_seed(3), StreamConfig(24, 8, 8),
+                            steps=FAST)
+    torch.testing.assert_close(torch.cat(chunks), whole, atol=1e-5, rtol=0)
+
+
+def test_step_streams_batches_many_streams(models):
+    """Two streams advanced together (one solve per step for both) give what each gives alone."""
+    _, ours = models
+    cfg = StreamConfig(16, 4, 8)
+    inputs = [utterance(n, seed=20 + n) + (torch.randn(1, 2 * n, MEL),) for n in (45, 30)]
+    alone = [torch.cat(_stream_all(ours, *inp, cfg, steps=FAST)[0]) for inp in inputs]
+    streams = [Token2WavStream(ours, cond, ref, noise, cfg, steps=FAST) for _, cond, ref, noise in inputs]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for s, (codes, *_) in zip(streams, inputs):
+        s.feed(codes)
+        s.end()
+    rounds = 0
+    while any(s.has_work() for s in streams):
+        rounds += 1
+        for out, pcm in zip(outs, step_streams(streams)):
+            if pcm is not None:
+                out.append(pcm)
+    assert rounds == 3     # chunks of 16, 16, 13 codes and of 16, 14: the first two rounds are shared
+    for out, want in zip(outs, alone):
+        torch.testing.assert_close(torch.cat(out), want, atol=1e-5, rtol=0)
+
+
+def test_stream_state_is_bounded_and_close_releases_it(models):
+    _, ours = models
+    cfg = StreamConfig(16, 4, 8)
+    codes, cond, ref = utterance(200, seed=13)
+    stream = Token2WavStream(ours, cond, ref, torch.Generator().manual_seed(2), cfg, steps=FAST)
+    vctx = ours.vocoder.receptive_field()
+    for i in range(0, 200, 10):
+        stream.push(codes[i:i + 10])
+        assert stream.codes.numel() <= cfg.look_back + 4 + cfg.chunk_size + cfg.look_ahead + 10
+        held_mel = 0 if stream.vocoder.mel is None else stream.vocoder.mel.shape[1]
+        assert held_mel <= vctx + 2 * cfg.chunk_size
+        assert len(stream.noise.blocks) * 8 <= 2 * (cfg.look_back + 4 + cfg.chunk_size + cfg.look_ahead + 10)
+    stream.close()
+    assert stream.codes is None and stream.vocoder is None and stream.noise is None
+    with pytest.raises(InvalidRequestError):
+        stream.push(codes[:1])
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_input_names_the_parameter(models):
+    _, ours = models
+    codes, cond, ref = utterance(10, seed=14)
+    noise = torch.randn(1, 20, MEL)
+    cases = [
+        (dict(codes=torch.tensor([0, 101])), "codes"),
+        (dict(codes=torch.zeros(2, 3, dtype=torch.long)), "codes"),
+        (dict(codes=torch.tensor([], dtype=torch.long)), "codes"),
+        (dict(cond=torch.zeros(1, 5)), "cond"),
+        (dict(ref_mel=torch.zeros(1, 2, MEL)), "ref_mel"),
+        (dict(noise=torch.zeros(1, 19, MEL)), "noise"),
+        (dict(steps=1), "steps"),
+        (dict(guidance_scale=-1.0), "guidance_scale"),
+    ]
+    for override, param in cases:
+        args = dict(codes=codes, cond=cond, ref_mel=ref, noise=noise) | override
+        with pytest.raises(InvalidRequestError) as e:
+            ours.decode(**args)
+        assert e.value.param == param
+    with pytest.raises(InvalidRequestError) as e:
+        Token2WavStream(ours, cond, ref, noise, StreamConfig(chunk_size=4))
+    assert e.value.param == "chunk_size"
+    with pytest.raises(InvalidRequestError) as e:
+        StreamConfig(look_ahead=-1)
+    assert e.value.param == "look_ahead"
