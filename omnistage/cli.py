@@ -43,9 +43,32 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     parser.add_argument("--top-k", type=int, default=-1, help="-1 disables (default: -1)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    parser.add_argument("--seed", dest="sampling_seed", type=int, default=None,
+                        help="sampling seed (default: none)")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
+    parser.add_argument("--audio-out", default=None, metavar="WAV",
+                        help="speech models: write the spoken answer to this WAV file (asks for "
+                             "text + audio; default: text only)")
+    parser.add_argument("--voice", default=None, help="speech models: the speaker (default: the model's first)")
     _engine_arguments(parser)
+    _omni_arguments(parser)
+
+
+def _omni_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("omni models (stage graphs)")
+    g.add_argument("--deploy-config", default=None, metavar="YAML",
+                   help="where each stage runs: local (default), process (its own OS process) or "
+                        "ray (a Ray actor); see docs/architecture.md")
+    g.add_argument("--token2wav-steps", type=int, default=10,
+                   help="ODE steps of the speech decoder per chunk (default: 10)")
+
+
+def omni_options(args: argparse.Namespace) -> dict:
+    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
+    from omnistage.stages.vocoder import VocoderSettings
+
+    return {"deploy_config": args.deploy_config,
+            "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps))}
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,17 +99,42 @@ def engine_options(args: argparse.Namespace) -> dict:
 def _generate_run(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
 
-    llm = Omni(args.model, **engine_options(args))
+    from omnistage.entrypoints.engines import OutputOptions
+
+    llm = Omni(args.model, **engine_options(args), **omni_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    if args.stream:
-        for delta in llm.stream(prompt, params):
-            print(delta.text, end="", flush=True)
-        print()
-    else:
-        print(llm.generate(prompt, params)[0].text)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
+    speak = args.audio_out is not None
+    prompt = [{"role": "user", "content": args.prompt}] if (args.chat or speak) else args.prompt
+    opts = OutputOptions(modalities=["text", "audio"] if speak else ["text"], voice=args.voice)
+    with llm:
+        if args.stream:
+            audio = []
+            for delta in llm.stream(prompt, params, opts):
+                print(delta.text, end="", flush=True)
+                if delta.audio is not None:
+                    audio.append(delta.audio)
+            print()
+            wav, rate = (_concat(audio), 24000) if audio else (None, None)
+        else:
+            out = llm.generate(prompt, params, output=opts)[0]
+            print(out.text)
+            wav, rate = out.audio, out.sample_rate
+    if speak:
+        import soundfile
+
+        if wav is None:
+            print("omnistage generate: the model produced no audio", file=sys.stderr)
+            return 1
+        soundfile.write(args.audio_out, wav, rate)
+        print(f"wrote {wav.size / rate:.2f} s of audio to {args.audio_out}", file=sys.stderr)
     return 0
+
+
+def _concat(chunks):
+    import numpy as np
+
+    return np.concatenate(chunks)
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +156,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
     _engine_arguments(parser)
+    _omni_arguments(parser)
 
 
 def _serve_run(args: argparse.Namespace) -> int:
@@ -119,7 +168,7 @@ def _serve_run(args: argparse.Namespace) -> int:
     from omnistage.server.app import ServerLimits, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncOmni(args.model, **engine_options(args))
+    engine = AsyncOmni(args.model, **engine_options(args), **omni_options(args))
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
                           max_queued_requests=args.max_queued_requests,
                           allowed_origins=tuple(args.allowed_origins))
