@@ -58,8 +58,8 @@ def _requests(n: int):
     return out
 
 
-def test_generate_returns_text_and_speech(omni_dir):
-    omni = Omni(omni_dir, linear_kernel="matmul")
+def test_generate_returns_text_and_speech(omni_dir, omni_deploy):
+    omni = Omni(omni_dir, deploy_config=omni_deploy, linear_kernel="matmul")
     [out] = omni.generate([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=8),
                           output=OutputOptions(talker_params=_talker(0)))
     assert len(out.token_ids) == 8 and out.text
@@ -68,11 +68,12 @@ def test_generate_returns_text_and_speech(omni_dir):
     [text_only] = omni.generate("Hello!", SamplingParams(temperature=0, max_tokens=4),
                                 output=OutputOptions(modalities=["text"]))
     assert text_only.audio is None and len(text_only.token_ids) == 4
+    omni.close()
 
 
-def test_concurrent_mixed_requests_equal_alone(omni_dir):
+def test_concurrent_mixed_requests_equal_alone(omni_dir, omni_deploy):
     reqs = _requests(16)
-    omni = AsyncOmni(omni_dir, linear_kernel="matmul", max_num_seqs=16)
+    omni = AsyncOmni(omni_dir, deploy_config=omni_deploy, linear_kernel="matmul", max_num_seqs=16)
 
     async def one(prompt, params, opts):
         tokens, audio = [], []
@@ -101,7 +102,7 @@ def test_concurrent_mixed_requests_equal_alone(omni_dir):
             np.testing.assert_allclose(a1, a2, atol=1e-4, rtol=1e-3, err_msg=f"request {i}")
 
 
-def test_abort_mid_stream_frees_every_stage(omni_dir):
+def test_abort_mid_stream_frees_every_stage(omni_dir, local_only):
     omni = Omni(omni_dir, linear_kernel="matmul")
     pipe = omni.engine
     thinker, talker = pipe.graph.stages["thinker"].engine, pipe.graph.stages["talker"].engine

@@ -40,11 +40,13 @@ def hf_model(omni_dir):
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir).eval()
 
 
-def pipeline(omni_dir, stream: StreamConfig | None = WHOLE) -> Qwen2_5OmniPipeline:
-    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
+def pipeline(omni_dir, stream: StreamConfig | None = WHOLE, deploy=None) -> Qwen2_5OmniPipeline:
+    from omnistage.models.qwen2_5_omni import recipe
 
     cfg = EngineConfig(model=omni_dir, max_model_len=2048, num_kv_blocks=512, linear_kernel="matmul")
-    return Qwen2_5OmniPipeline(cfg, OmniSettings(vocoder=VocoderSettings(steps=10, stream=stream)))
+    settings = recipe.OmniSettings(vocoder=VocoderSettings(steps=10, stream=stream))
+    placement = deploy.placement(recipe.__name__, cfg, settings) if deploy is not None else None
+    return Qwen2_5OmniPipeline(cfg, settings, placement)
 
 
 def run(pipe, pp, want_audio: bool, noise=None):
@@ -89,7 +91,7 @@ def hf_generate(hf, pp, want_audio: bool, extra=None, seed=0):
     return seq[0, ids.shape[1]:].tolist(), wav, captured.get("codes")
 
 
-def test_text_audio_out_parity(omni_dir, hf_model):
+def test_text_audio_out_parity(omni_dir, hf_model, local_only):
     pipe = pipeline(omni_dir)
     pp = pipe.prepare([{"role": "user", "content": "Tell me about the sea and the sky."}], want_audio=True)
     hf_tokens, hf_wav, hf_codes = hf_generate(hf_model, pp, True, seed=7)
@@ -103,7 +105,7 @@ def test_text_audio_out_parity(omni_dir, hf_model):
     np.testing.assert_allclose(wav, hf_wav.numpy(), atol=2e-4, rtol=1e-3)
 
 
-def test_streamed_waveform_gap(omni_dir):
+def test_streamed_waveform_gap(omni_dir, local_only):
     """Default streaming (the DiT's block reach) vs one window, same noise: documented gap."""
     whole, streamed = pipeline(omni_dir), pipeline(omni_dir, stream=None)
     pp = whole.prepare([{"role": "user", "content": "Say something long."}], want_audio=True)
@@ -178,13 +180,16 @@ def _mp4_bytes(frames: int = 8, fps: int = 4, w: int = 56, h: int = 56) -> bytes
 
 
 @pytest.mark.parametrize("kind", ["audio", "image", "video"])
-def test_media_in_thinker_parity(omni_dir, hf_model, kind):
-    pipe = pipeline(omni_dir)
+def test_media_in_thinker_parity(omni_dir, hf_model, kind, omni_deploy):
+    pipe = pipeline(omni_dir, deploy=omni_deploy)
     part = {"audio": {"type": "audio", "audio": _wav_bytes(1.3)},
             "image": {"type": "image", "image": _png_bytes(60, 44)},
             "video": {"type": "video", "video": _mp4_bytes()}}[kind]
     pp = pipe.prepare([{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
                       want_audio=False)
     hf_tokens, _, _ = hf_generate(hf_model, pp, False, extra=_hf_media_kwargs(pp))
-    tokens, _, _ = run(pipe, pp, False)
+    try:
+        tokens, _, _ = run(pipe, pp, False)
+    finally:
+        pipe.close()
     assert tokens == hf_tokens
