@@ -104,6 +104,24 @@ class StageGraph:
         self.router.forget(rid)
         return [Delta(rid, 0, "", [], finished=True, finish_reason="error", error=failure.message)]
 
+    def health(self) -> str | None:
+        """None when every stage can serve, else why not (a stage past its restarts)."""
+        dead = [s.dead for s in self.stages.values() if s.dead]
+        return "; ".join(dead) if dead else None
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """Per-stage gauges: requests held, and each local AR stage's KV pool."""
+        from omnistage.stages.ar import ARStage
+
+        out = []
+        for name, stage in self.stages.items():
+            out.append((f'omnistage_stage_requests{{stage="{name}"}}', "gauge",
+                        "requests a stage holds (queued, running or waiting for input)",
+                        stage.num_requests()))
+            if isinstance(stage, ARStage):
+                out += stage.engine.metrics(f'stage="{name}"')
+        return out
+
     def close(self) -> None:
         """Stop stages that run in other processes."""
         for stage in self.stages.values():

@@ -282,6 +282,34 @@ class LLMEngine:
     def close(self) -> None:
         """Nothing to release beyond memory (for the same interface as stage pipelines)."""
 
+    def num_waiting_requests(self) -> int:
+        """Sequences admitted but not yet running (the server's queue bound reads it)."""
+        return len(self.scheduler.waiting)
+
+    def health(self) -> str | None:
+        """None when healthy, else why not."""
+        return None
+
+    def metrics(self, labels: str = "") -> list[tuple[str, str, str, float]]:
+        """(name{labels}, kind, help, value) gauges and counters for /metrics."""
+        lb = f"{{{labels}}}" if labels else ""
+        return [
+            (f"omnistage_kv_blocks_total{lb}", "gauge", "KV cache blocks in the pool", self.num_blocks),
+            (f"omnistage_kv_blocks_free{lb}", "gauge", "KV cache blocks free", self.num_free_blocks),
+            (f"omnistage_requests_running{lb}", "gauge", "sequences holding KV blocks",
+             len(self.scheduler.running)),
+            (f"omnistage_requests_waiting{lb}", "gauge", "sequences queued or preempted",
+             len(self.scheduler.waiting)),
+            (f"omnistage_requests_in_engine{lb}", "gauge", "requests the engine holds (any state)",
+             len(self.requests)),
+            (f"omnistage_preemptions_total{lb}", "counter", "sequences preempted so far",
+             self.scheduler.num_preemptions),
+            (f"omnistage_requests_aborted_total{lb}", "counter",
+             "requests aborted (client gone, or abort())", self.num_aborted_requests),
+            (f"omnistage_prefix_cache_hit_tokens_total{lb}", "counter",
+             "prompt tokens served by the prefix cache", self.block_manager.num_prefix_hit_tokens),
+        ]
+
     # ---- stats ----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

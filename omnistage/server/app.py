@@ -62,7 +62,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
         if app.state.draining and (request.method == "POST" or request.url.path == "/health"):
             return error_response(503, "the server is shutting down", headers={"X-Request-Id": rid})
-        if request.method == "POST" and len(engine.engine.scheduler.waiting) >= limits.max_queued_requests:
+        if request.method == "POST" and engine.engine.num_waiting_requests() >= limits.max_queued_requests:
             return error_response(429, "too many queued requests; retry shortly",
                                   headers={"Retry-After": "1", "X-Request-Id": rid})
         try:
@@ -106,6 +106,9 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     async def health():
         if engine.dead is not None:
             return error_response(503, "the engine stopped after an internal error")
+        why = engine.engine.health()
+        if why is not None:
+            return error_response(503, f"unhealthy: {why}")
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -41,30 +41,27 @@ class Histogram:
 class ServerMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(
         "omnistage_time_to_first_token_seconds", "request arrival to its first generated text"))
+    ttfa: Histogram = field(default_factory=lambda: Histogram(
+        "omnistage_time_to_first_audio_seconds", "request arrival to its first audio chunk"))
     latency: Histogram = field(default_factory=lambda: Histogram(
         "omnistage_request_latency_seconds", "request arrival to its last token"))
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    audio_seconds: float = 0.0
 
     def render(self, engine) -> str:
-        e = engine.engine
-        values = [
-            ("omnistage_kv_blocks_total", "gauge", "KV cache blocks in the pool", e.num_blocks),
-            ("omnistage_kv_blocks_free", "gauge", "KV cache blocks free", e.num_free_blocks),
-            ("omnistage_requests_running", "gauge", "sequences holding KV blocks", len(e.scheduler.running)),
-            ("omnistage_requests_waiting", "gauge", "sequences queued or preempted", len(e.scheduler.waiting)),
-            ("omnistage_requests_in_engine", "gauge", "requests the engine holds (any state)", len(e.requests)),
-            ("omnistage_preemptions_total", "counter", "sequences preempted so far", e.scheduler.num_preemptions),
-            ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
-             e.num_aborted_requests),
-            ("omnistage_prefix_cache_hit_tokens_total", "counter", "prompt tokens served by the prefix cache",
-             e.block_manager.num_prefix_hit_tokens),
+        values = engine.engine.metrics() + [
             ("omnistage_prompt_tokens_total", "counter", "prompt tokens of served requests", self.prompt_tokens),
             ("omnistage_generation_tokens_total", "counter", "tokens generated for served requests",
              self.generation_tokens),
+            ("omnistage_audio_seconds_total", "counter", "seconds of speech generated", self.audio_seconds),
         ]
-        lines = []
+        lines, described = [], set()
         for name, kind, help_text, value in values:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        lines += self.ttft.lines() + self.latency.lines()
+            base = name.split("{", 1)[0]
+            if base not in described:     # one HELP/TYPE per metric family, however many labels
+                lines += [f"# HELP {base} {help_text}", f"# TYPE {base} {kind}"]
+                described.add(base)
+            lines.append(f"{name} {value}")
+        lines += self.ttft.lines() + self.ttfa.lines() + self.latency.lines()
         return "\n".join(lines) + "\n"

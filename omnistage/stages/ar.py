@@ -56,6 +56,7 @@ class ARStage:
     def __init__(self, name: str, engine: LLMEngine):
         self.name = name
         self.engine = engine
+        self.dead: str | None = None   # local stages fail with the process
         self._feeds: dict[str, EmbedFeed] = {}
 
     def add(self, message: ARRequest | ARFeed) -> None:

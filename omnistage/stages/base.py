@@ -33,6 +33,7 @@ class StageFailure(msgspec.Struct):
 @runtime_checkable
 class Stage(Protocol):
     name: str
+    dead: str | None      # why the stage cannot serve any more; None while it can
 
     def add(self, message: Any) -> None:
         """Queue input for a request (a new request, or more input for a running one)."""

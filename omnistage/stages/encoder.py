@@ -26,6 +26,7 @@ class EncoderStage:
     def __init__(self, name: str, encoders: Encoders, budget: int):
         self.name = name
         self.encoders = encoders
+        self.dead: str | None = None   # local stages fail with the process
         self.budget = budget
         self._queue: OrderedDict[str, Any] = OrderedDict()   # request id -> job, oldest first
 

@@ -33,6 +33,7 @@ class VocoderStage:
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
         (tests) gives a request's ODE start noise; default: a seeded generator per request."""
         self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
+        self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
         self._count = 0

@@ -76,6 +76,8 @@ class Qwen2_5OmniPipeline:
                                        OmniLayout.from_thinker_config(hf_config(model_dir).thinker_config),
                                        VisionPreprocessConfig.from_dict(pre), self.settings.limits)
         self.sample_rate = 24000
+        self._thinker_positions = read_config(model_dir)["thinker_config"]["text_config"].get(
+            "max_position_embeddings", 32768)
         log.info("Qwen2.5-Omni ready: stages %s, speakers %s", list(self.graph.stages), self.speakers)
 
     # ---- requests -------------------------------------------------------------------------
@@ -127,3 +129,22 @@ class Qwen2_5OmniPipeline:
     def close(self) -> None:
         """Stop stage processes / actors (no-op for an all-local graph)."""
         self.graph.close()
+
+    @property
+    def max_model_len(self) -> int:
+        """The thinker's context window (prompt + answer)."""
+        return self.config.max_model_len or self._thinker_positions
+
+    def num_waiting_requests(self) -> int:
+        """Requests beyond the thinker's seats (the server's queue bound reads it)."""
+        return max(0, len(self.graph.requests) - self.config.max_num_seqs)
+
+    def health(self) -> str | None:
+        return self.graph.health()
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        out = [("omnistage_requests_in_engine", "gauge", "requests in the stage graph",
+                len(self.graph.requests)),
+               ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
+                self.graph.num_aborted_requests)]
+        return out + self.graph.metrics()
