@@ -88,6 +88,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "matmul"],
+                   help="linear layers: oneDNN packed GEMM (fp32 on CPU) or plain matmul "
+                        "(default: auto: onednn where available)")
+    g.add_argument("--engine-seed", dest="seed", type=int, default=0,
+                   help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -155,6 +160,12 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted, in MiB; larger gets 413 (default: 16)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish (default: 30)")
+    parser.add_argument("--allowed-media-domains", nargs="*", default=[],
+                        help="hosts whose http(s) media URLs (image_url, audio, video) are fetched: "
+                             "example.com matches that host only, *.example.com its subdomains; "
+                             "private addresses never (default: none: data: URLs only)")
+    parser.add_argument("--max-media-mb", type=float, default=32.0,
+                        help="largest fetched media file, in MiB (default: 32)")
     _engine_arguments(parser)
     _omni_arguments(parser)
 
@@ -169,9 +180,13 @@ def _serve_run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncOmni(args.model, **engine_options(args), **omni_options(args))
+    from omnistage.media.fetch import MediaFetchPolicy
+
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
                           max_queued_requests=args.max_queued_requests,
-                          allowed_origins=tuple(args.allowed_origins))
+                          allowed_origins=tuple(args.allowed_origins),
+                          media=MediaFetchPolicy(allowed_domains=tuple(args.allowed_media_domains),
+                                                 max_bytes=int(args.max_media_mb * 2**20)))
     app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
     from omnistage.server.serve import DrainingServer
 
@@ -186,7 +201,8 @@ def _serve_run(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
-        help="serve a model over the OpenAI API (chat completions, completions, models)",
+        help="serve a model over the OpenAI API (chat completions with audio, completions, "
+             "audio speech and transcriptions, models)",
         add_arguments=_serve_arguments,
         run=_serve_run,
     ),

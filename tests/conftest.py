@@ -42,3 +42,10 @@ def tiny_qwen2_mha(tmp_path_factory) -> str:
 def tiny_model(request, tiny_qwen2, tiny_qwen2_mha) -> str:
     """Each test using it runs once per checkpoint shape."""
     return {"gqa": tiny_qwen2, "mha": tiny_qwen2_mha}[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("qwen2_5_omni"), seed=0, size="tiny"))

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,10 +24,15 @@ from omnistage import __version__
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError
 from omnistage.outputs import Delta
+from omnistage.media.fetch import MediaFetchPolicy
+from omnistage.server.audio_routes import add_audio_routes
 from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_response
 from omnistage.server.metrics import ServerMetrics
+from omnistage.entrypoints.engines import OutputOptions
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
+from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
+                                     resolve_media_urls, stream_audio_delta)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ class ServerLimits:
     max_body_bytes: int = 16 * 2**20      # request bodies larger than this get 413
     max_queued_requests: int = 256        # admitted-but-waiting sequences before 429
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
+    media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy)  # http(s) media: off by default
 
 
 def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
@@ -128,11 +134,12 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     async def chat(body: ChatCompletionRequest, request: Request):
         params = body.to_sampling_params()
         check_request(body.model, params.max_tokens)
-        if body.modalities and "audio" in body.modalities:
-            raise InvalidRequestError("this model produces text only; drop 'audio' from modalities",
-                                      param="modalities")
-        return await _respond(engine, stats, request, body.messages, params, body.stream,
-                              body.stream_options, model_name, chat=True)
+        speech = output_options(engine, body)
+        messages = await resolve_media_urls(body.messages, limits.media)
+        return await _respond(engine, stats, request, messages, params, body.stream,
+                              body.stream_options, model_name, chat=True, output=speech)
+
+    add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -145,24 +152,30 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
 
 
 async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, prompt, params,
-                   stream: bool, stream_options, model_name: str, chat: bool):
+                   stream: bool, stream_options, model_name: str, chat: bool,
+                   output: SpeechRequest | None = None):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
-    deltas = _observed(engine.generate(prompt, params, request_id=rid), stats, time.monotonic())
+    opts = output.options if output is not None else OutputOptions(modalities=["text"])
+    deltas = _observed(engine.generate(prompt, params, request_id=rid, output=opts), stats,
+                       time.monotonic())
     first = await anext(deltas)   # errors in the request surface here, before any byte is sent
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return StreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage),
-                                 media_type="text/event-stream")
-    return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n))
+        return StreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage,
+                                      output), media_type="text/event-stream")
+    return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n, output))
 
 
-async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_name, chat, n):
+async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_name, chat, n,
+                 output: SpeechRequest | None = None):
     texts, counts, reasons, logprobs = [""] * n, [0] * n, [None] * n, [[] for _ in range(n)]
     prompt_tokens = 0
+    audio = AudioCollector()
     async for d in _chain(first, deltas):
         texts[d.index] += d.text
         counts[d.index] += len(d.token_ids)
         prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+        audio.add(d)
         if d.logprobs:
             logprobs[d.index] += d.logprobs
         if d.finished:
@@ -171,8 +184,10 @@ async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_
     for i in range(n):
         lp = _chat_logprobs(engine, logprobs[i]) if logprobs[i] else None
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                            "finish_reason": reasons[i], "logprobs": lp})
+            message = {"role": "assistant", "content": texts[i]}
+            if output is not None and output.speaks:
+                message["audio"] = audio.message_audio(output.format, texts[i])
+            choices.append({"index": i, "message": message, "finish_reason": reasons[i], "logprobs": lp})
         else:
             choices.append({"index": i, "text": texts[i], "finish_reason": reasons[i], "logprobs": None})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
@@ -180,8 +195,11 @@ async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_
             "usage": _usage(prompt_tokens, sum(counts))}
 
 
-async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usage):
+async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usage,
+               output: SpeechRequest | None = None):
     created = int(time.time())
+    audio_id = f"audio_{uuid.uuid4().hex}"
+    speaks = output is not None and output.speaks
     obj = "chat.completion.chunk" if chat else "text_completion"
     started: set[int] = set()
     prompt_tokens = completion_tokens = 0
@@ -195,12 +213,14 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
     async for d in _chain(first, deltas):   # closing this generator aborts the request
         prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
         completion_tokens += len(d.token_ids)
-        if not (d.text or d.finished or d.index not in started):
+        if not (d.text or d.finished or d.index not in started or d.audio is not None):
             continue
         if chat:
             delta = {"content": d.text}
             if d.index not in started:
                 delta["role"] = "assistant"
+            if speaks and (d.text or d.audio is not None):
+                delta["audio"] = stream_audio_delta(audio_id, d)
             choice = {"index": d.index, "delta": delta, "finish_reason": None, "logprobs": None}
             if d.logprobs:
                 choice["logprobs"] = _chat_logprobs(engine, d.logprobs)
@@ -217,14 +237,20 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
 
 async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: float
                     ) -> AsyncIterator[Delta]:
-    """Records TTFT, latency and token counts of one request as its deltas pass."""
-    first_text = True
+    """Records TTFT, TTFA, latency, token counts and audio seconds of one request as its
+    deltas pass."""
+    first_text = first_audio = True
     prompt_tokens = 0
     try:
         async for d in deltas:
             if first_text and d.token_ids:
                 stats.ttft.observe(time.monotonic() - t0)
                 first_text = False
+            if d.audio is not None:
+                if first_audio:
+                    stats.ttfa.observe(time.monotonic() - t0)
+                    first_audio = False
+                stats.audio_seconds += d.audio.size / d.sample_rate
             prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
             stats.generation_tokens += len(d.token_ids)
             yield d

@@ -14,6 +14,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+AUDIO_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus", "aac")
+
+
+class AudioParams(BaseModel):
+    """Chat completions' `audio` field: how to speak the answer."""
+    voice: str | None = None                   # None: the model's first speaker
+    format: Literal["wav", "pcm16", "flac", "mp3", "opus", "aac"] = "wav"
+
+
+class TalkerParams(BaseModel):
+    """Extension: sampling of the speech (codec) tokens; unset fields keep the model's defaults."""
+    model_config = ConfigDict(extra="forbid")
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_tokens: int | None = Field(None, ge=1, le=32768)
+    min_tokens: int | None = Field(None, ge=0, le=32768)
+    seed: int | None = None
+
+    def merged(self, defaults: SamplingParams) -> SamplingParams:
+        from dataclasses import replace
+
+        given = {k: v for k, v in self.model_dump().items() if v is not None}
+        return replace(defaults, **given)
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -57,6 +84,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioParams | None = None
+    # Extensions: speech sampling, and whether a video's sound track is heard.
+    talker: TalkerParams | None = None
+    use_audio_in_video: StrictBool = False
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

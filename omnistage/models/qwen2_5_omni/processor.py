@@ -34,7 +34,7 @@ from omnistage.models.qwen2_5_omni.rope_index import (ImageItem, MRopePositions,
 from omnistage.models.qwen2_5_omni.vision_preprocess import (VisionPreprocessConfig,
                                                              preprocess_image, preprocess_video)
 
-MEDIA_TYPES = ("input_audio", "audio", "image_url", "image", "video_url", "video")
+MEDIA_TYPES = ("input_audio", "audio", "audio_url", "image_url", "image", "video_url", "video")
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class OmniProcessor:
         content = m.get("content")
         if not isinstance(content, list):
             return m
-        kinds = {"input_audio": "audio", "image_url": "image", "video_url": "video"}
+        kinds = {"input_audio": "audio", "audio_url": "audio", "image_url": "image", "video_url": "video"}
         parts = [p if p.get("type") == "text" else {"type": kinds.get(p["type"], p["type"])}
                  for p in content]
         return {**m, "content": parts}
@@ -120,7 +120,7 @@ class OmniProcessor:
         for i, m in enumerate(messages):
             for part in m.get("content") if isinstance(m.get("content"), list) else []:
                 kind, where = part.get("type"), f"messages[{i}].content"
-                if kind in ("input_audio", "audio"):
+                if kind in ("input_audio", "audio", "audio_url"):
                     audios.append(self._audio(part, where))
                 elif kind in ("image_url", "image"):
                     images.append(self._image(part, where))
@@ -158,7 +158,8 @@ class OmniProcessor:
                 raise InvalidRequestError(f"{where}: audio arrays must be 1-D float32 at 16 kHz, at most "
                                           f"{self.limits.max_audio_seconds:g} s", param=where)
         else:
-            samples = decode_audio(self._bytes_of(part, "audio", where),
+            key = "audio_url" if part["type"] == "audio_url" else "audio"
+            samples = decode_audio(self._bytes_of(part, key, where),
                                    max_seconds=self.limits.max_audio_seconds, param=where).samples
         feats = self.log_mel([samples], param=where)
         return (MediaInput("audio", feats.features[0]), audio_item(feats.num_frames[0]))

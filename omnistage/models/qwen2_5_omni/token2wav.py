@@ -251,8 +251,8 @@ class StreamConfig:
     and look_ahead codes of right context, and keeps only its own frames. BigVGAN runs with
     vocoder_context mel frames of overlap each side (None: its receptive field, so the PCM is
     exactly BigVGAN's over the streamed mel); PCM lags the mel by that much until finish()."""
-    chunk_size: int = 36
-    look_ahead: int = 12
+    chunk_size: int = 36                   # defaults: for_dit() of the released model
+    look_ahead: int = 12                   # (24-frame blocks, 2 frames per code)
     look_back: int = 24
     vocoder_context: int | None = None
 

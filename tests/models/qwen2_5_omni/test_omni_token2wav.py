@@ -59,11 +59,11 @@ def utterance(n_codes: int, seed: int, ref_frames: int = 30):
 def test_decode_matches_transformers(models, guidance):
     """Same initial noise by seeding: transformers draws it with torch.randn([1, 2T, mel]) as the
     first random op of `sample`, so torch.manual_seed(s) before it and before our own randn gives
-    both the same tensor. Tolerance atol 1e-5 / rtol 1e-5 on mel (|mel| <= ~4) and atol 1e-5 on
-    the waveform: fp32 with a different summation order (input projection split into per-pass and
-    per-request parts, fused LayerNorm affine, block-gathered attention instead of a masked T x T
-    matrix, interleaved instead of de-interleaved RoPE), compounded over 36 evaluations; measured
-    max differences are ~6e-7 (mel) and ~1e-7 (waveform)."""
+    both the same tensor. Tolerance atol 1e-5 / rtol 1e-5 on mel (|mel| <= 4.5) and atol 1e-5 on
+    the waveform (peak 0.51): fp32 with a different summation order (input projection split into
+    per-pass and per-request parts, fused LayerNorm affine, block-gathered attention instead of a
+    masked T x T matrix, interleaved instead of de-interleaved RoPE), compounded over 36
+    evaluations; measured max differences: 8e-7 (mel) and 4e-7 (waveform)."""
     hf, ours = models
     codes, cond, ref = utterance(37, seed=1)
     torch.manual_seed(5)
@@ -86,7 +86,7 @@ def test_decode_matches_transformers(models, guidance):
 def test_dit_pass_matches_transformers(models, offset_blocks):
     """One guided DiT evaluation over 74 frames (not a block multiple: padding is exercised);
     the frame offset shifts RoPE positions, which attention must not see (RoPE is relative).
-    atol 1e-5 as above (one pass: measured ~1e-6)."""
+    atol/rtol 1e-5 as above (|v| <= 2; measured max difference 7e-7)."""
     hf, ours = models
     codes, cond, ref = utterance(37, seed=2)
     frames = 2 * codes.numel()

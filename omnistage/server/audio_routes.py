@@ -1,0 +1,143 @@
+"""/v1/audio/speech (text in, speech out) and /v1/audio/transcriptions (speech in, text out),
+served by an omni model: its thinker reads or transcribes, its talker and token2wav speak."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Literal
+
+import numpy as np
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnistage.entrypoints.engines import OutputOptions, is_pipeline
+from omnistage.errors import InvalidRequestError
+from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
+from omnistage.sampling_params import SamplingParams
+
+SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
+TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."
+
+
+class SpeechBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: str = Field(min_length=1, max_length=4096)        # OpenAI's limit
+    voice: str | None = None
+    instructions: str | None = Field(None, max_length=4096)
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False)
+    stream_format: Literal["sse", "audio"] | None = None     # None: the whole file at once
+
+
+def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) -> None:
+    def speaking_engine():
+        inner = engine.engine
+        if not (is_pipeline(inner) and inner.audio_output):
+            raise InvalidRequestError("this model does not produce speech", param="model")
+        return inner
+
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechBody, request: Request):
+        check_model(body.model)
+        inner = speaking_engine()
+        if body.stream_format is not None and body.speed != 1.0:
+            raise InvalidRequestError("speed applies to whole files; drop it or stream_format",
+                                      param="speed")
+        text = (body.instructions.strip() + "\n\n" if body.instructions else "") + READ_ALOUD + body.input
+        # The thinker reads the input back; allow it the input's length in tokens and some slack.
+        budget = min(len(inner.tokenizer.encode(body.input)) * 2 + 16, inner.max_model_len // 2)
+        rid = f"speech-{request.state.request_id}"
+        deltas = engine.generate([{"role": "user", "content": text}],
+                                 SamplingParams(temperature=0, max_tokens=budget), request_id=rid,
+                                 output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
+        first = await anext(deltas)     # request errors surface before any byte is sent
+        if body.stream_format == "sse":
+            return StreamingResponse(_speech_sse(first, deltas), media_type="text/event-stream")
+        if body.stream_format == "audio":
+            return StreamingResponse(_speech_chunks(first, deltas, body.response_format, inner.sample_rate),
+                                     media_type=content_type(body.response_format))
+        chunks, rate = [], inner.sample_rate
+        async for d in _chain(first, deltas):
+            if d.audio is not None:
+                chunks.append(d.audio)
+                rate = d.sample_rate
+        samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        if body.speed != 1.0:
+            samples = change_speed(samples, rate, body.speed)
+        stats.audio_seconds += samples.size / rate
+        return Response(encode_audio(samples, rate, body.response_format),
+                        media_type=content_type(body.response_format))
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request, file: UploadFile = File(...), model: str = Form(...),
+                             language: str | None = Form(None), prompt: str | None = Form(None),
+                             response_format: str = Form("json"), temperature: float = Form(0.0)):
+        check_model(model)
+        inner = engine.engine
+        if not is_pipeline(inner):
+            raise InvalidRequestError("this model does not take audio", param="model")
+        if response_format not in ("json", "text", "verbose_json"):
+            raise InvalidRequestError("response_format must be json, text or verbose_json",
+                                      param="response_format")
+        if not 0.0 <= temperature <= 1.0:
+            raise InvalidRequestError("temperature must be in [0, 1]", param="temperature")
+        data = await file.read()
+        if not data:
+            raise InvalidRequestError("file is empty", param="file")
+        ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
+            (f" Context: {prompt}" if prompt else "")
+        messages = [{"role": "user", "content": [{"type": "audio", "audio": data},
+                                                 {"type": "text", "text": ask}]}]
+        t0 = time.monotonic()
+        text, duration = "", None
+        async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
+                                       request_id=f"transcribe-{request.state.request_id}",
+                                       output=OutputOptions(modalities=["text"])):
+            text += d.text
+        text = text.strip()
+        if response_format == "text":
+            return PlainTextResponse(text)
+        if response_format == "verbose_json":
+            return JSONResponse({"task": "transcribe", "language": language or "unknown",
+                                 "duration": duration, "text": text,
+                                 "processing_seconds": round(time.monotonic() - t0, 3)})
+        return JSONResponse({"text": text})
+
+
+async def _chain(first, rest):
+    try:
+        yield first
+        async for d in rest:
+            yield d
+    finally:
+        await rest.aclose()     # aborts the request if the client went away
+
+
+async def _speech_sse(first, deltas):
+    async for d in _chain(first, deltas):
+        if d.audio is not None:
+            pcm = encode_audio(d.audio, d.sample_rate, "pcm")
+            yield f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(pcm).decode()})}\n\n"
+    yield f"data: {json.dumps({'type': 'speech.audio.done'})}\n\n"
+
+
+async def _speech_chunks(first, deltas, fmt: str, sample_rate: int):
+    enc, done = AudioStreamEncoder(fmt, sample_rate), False
+    try:
+        async for d in _chain(first, deltas):
+            if d.audio is not None:
+                out = enc.push(d.audio)
+                if out:
+                    yield out
+        tail, done = enc.finish(), True
+        if tail:
+            yield tail
+    finally:
+        if not done:
+            enc.close()        # the client went away mid-stream

@@ -1,0 +1,176 @@
+"""The real server with a tiny Qwen2.5-Omni on loopback, driven by the openai SDK: chat with
+audio in and out (whole and streamed, equal to the offline API's waveform for the same seed),
+image in, speech in every format, transcriptions."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+
+from omnistage import Omni, SamplingParams
+from omnistage.entrypoints.engines import OutputOptions
+
+# Every field given: the server merges them over the model's talker defaults.
+TALKER = {"temperature": 0, "max_tokens": 40, "min_tokens": 30, "seed": 9, "repetition_penalty": 1.05,
+          "top_k": -1, "top_p": 1.0}
+MESSAGES = [{"role": "user", "content": "Say hello to the sea."}]
+
+
+@pytest.fixture(scope="module")
+def omni_server(start_server, tiny_omni):
+    with start_server(tiny_omni, "--linear-kernel", "matmul") as running:
+        yield running.base
+
+
+@pytest.fixture(scope="module")
+def client(omni_server, api_key):
+    return openai.OpenAI(base_url=f"{omni_server}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_omni):
+    return Omni(tiny_omni, block_size=4, linear_kernel="matmul")
+
+
+def _offline_speech(offline, max_tokens=6):
+    [out] = offline.generate(MESSAGES, SamplingParams(temperature=0, max_tokens=max_tokens),
+                             output=OutputOptions(talker_params=SamplingParams(
+                                 **TALKER, suppress_token_ids=[offline.engine.codec_bos])))
+    return out
+
+
+def _pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def test_chat_audio_out_whole_equals_offline(client, offline):
+    import soundfile as sf
+
+    resp = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "wav"}, extra_body={"talker": TALKER})
+    want = _offline_speech(offline)
+    msg = resp.choices[0].message
+    assert msg.content == want.text and msg.audio.transcript == want.text
+    assert msg.audio.id.startswith("audio_") and msg.audio.expires_at > 0
+    wav, rate = sf.read(io.BytesIO(base64.b64decode(msg.audio.data)), dtype="float32")
+    assert rate == want.sample_rate == 24000 and wav.shape == want.audio.shape
+    np.testing.assert_allclose(wav, want.audio, atol=1.5 / 32768)   # 16-bit rounding
+
+
+def test_chat_audio_out_streamed_equals_offline(client, offline):
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "pcm16"}, stream=True,
+        stream_options={"include_usage": True}, extra_body={"talker": TALKER})
+    text, transcript, pcm, chunks, usage = "", "", b"", 0, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            audio = choice.delta.audio
+            if audio:
+                transcript += audio.transcript or ""
+                if audio.data:
+                    pcm += base64.b64decode(audio.data)
+                    chunks += 1
+    want = _offline_speech(offline)
+    assert text == want.text == transcript
+    assert chunks >= 1 and usage is not None and usage.completion_tokens == 6
+    np.testing.assert_allclose(_pcm16(pcm), want.audio, atol=1.5 / 32768)
+
+
+def test_streamed_audio_needs_pcm16(client):
+    with pytest.raises(openai.BadRequestError, match="pcm16"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, modalities=["text", "audio"],
+                                       audio={"voice": "Chelsie", "format": "mp3"}, stream=True)
+
+
+def test_unknown_voice_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="voice"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                       modalities=["text", "audio"], audio={"voice": "Nobody", "format": "wav"})
+
+
+def _wav_b64(seconds=0.6) -> str:
+    import soundfile as sf
+
+    t = np.arange(int(seconds * 16000)) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 16000, format="WAV")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _png_data_url() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("part", ["audio", "image"])
+def test_media_in_equals_offline(client, offline, part):
+    content = [{"type": "input_audio", "input_audio": {"data": _wav_b64(), "format": "wav"}}
+               if part == "audio" else {"type": "image_url", "image_url": {"url": _png_data_url()}},
+               {"type": "text", "text": "What is this?"}]
+    messages = [{"role": "user", "content": content}]
+    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+    [want] = offline.generate(messages, SamplingParams(temperature=0, max_tokens=5),
+                              output=OutputOptions(modalities=["text"]))
+    assert resp.choices[0].message.content == want.text
+
+
+def test_remote_media_urls_are_refused_by_default(client):
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match="allowed-media-domains"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
+def test_speech_every_format_decodes(client, fmt):
+    import av
+
+    resp = client.audio.speech.create(model="tiny", input="Hello there, sea.", voice="Ethan",
+                                      response_format=fmt)
+    data = resp.read()
+    if fmt == "pcm":
+        samples = _pcm16(data)
+    else:
+        with av.open(io.BytesIO(data)) as f:
+            samples = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)])
+    assert samples.size > 2400 and np.isfinite(samples).all()
+
+
+def test_speech_streamed_sse(omni_server, api_key):
+    import httpx
+
+    with httpx.stream("POST", f"{omni_server}/v1/audio/speech", timeout=120,
+                      headers={"Authorization": f"Bearer {api_key}"},
+                      json={"model": "tiny", "input": "Hi.", "stream_format": "sse"}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert '"speech.audio.done"' in events[-1] and len(events) >= 2
+
+
+def test_transcription(client):
+    wav = base64.b64decode(_wav_b64(1.0))
+    resp = client.audio.transcriptions.create(model="tiny", file=("a.wav", wav, "audio/wav"))
+    assert isinstance(resp.text, str) and resp.text
+    with pytest.raises(openai.BadRequestError):
+        client.audio.transcriptions.create(model="tiny", file=("a.wav", b"not audio", "audio/wav"))
+
+
+def test_health_and_metrics(omni_server, api_key):
+    import httpx
+
+    h = {"Authorization": f"Bearer {api_key}"}
+    assert httpx.get(f"{omni_server}/health", headers=h).status_code == 200
+    text = httpx.get(f"{omni_server}/metrics", headers=h).text
+    assert 'omnistage_stage_requests{stage="talker"}' in text
+    assert "omnistage_time_to_first_audio_seconds_count" in text
