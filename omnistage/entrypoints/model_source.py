@@ -17,12 +17,17 @@ def resolve_model(model: str) -> str:
     """`tiny:ARCH[:size]` -> a tiny random checkpoint built on first use (seed 0)."""
     if not model.startswith("tiny:"):
         return model
-    from omnistage.tiny import build_tiny
-
     parts = model.split(":")
     arch, size = parts[1], (parts[2] if len(parts) > 2 else "tiny")
+    if not (arch.isidentifier() and size.isidentifier()):
+        from omnistage.errors import InvalidRequestError
+
+        raise InvalidRequestError(f"{model!r} is not tiny:ARCH[:SIZE] (letters, digits, _)", param="model")
     out = cache_dir() / "tiny" / f"{arch}-{size}-seed0"
     if not (out / "config.json").is_file():
+        # Imported only to build: the builders import transformers' modeling code (seconds).
+        from omnistage.tiny import build_tiny
+
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         build_tiny(arch, tmp, seed=0, size=size)
         try:
