@@ -1,9 +1,11 @@
 """Load on a running `omnistage serve`: C concurrent streaming chat clients for D seconds
-(bounded; loopback only). Prints req/s, TTFT p50/p95, errors and incomplete streams; the last
-line is one JSON object.
+(bounded; loopback only). Prints req/s, TTFT p50/p95 (and with --audio, time to first audio
+p50/p95 and seconds of speech), errors and incomplete streams; the last line is one JSON object.
 
     omnistage serve tiny:qwen2 --port 8011 &
     python -m benchmarks.server_load --base-url http://127.0.0.1:8011/v1 --model tiny:qwen2
+    omnistage serve tiny:qwen2_5_omni --port 8012 &
+    python -m benchmarks.server_load --base-url http://127.0.0.1:8012/v1 --model tiny:qwen2_5_omni --audio
 """
 
 from __future__ import annotations
@@ -17,22 +19,29 @@ import time
 import openai
 
 
-async def client_loop(client, model: str, stop_at: float, max_tokens: int, stats: dict) -> None:
+async def client_loop(client, model: str, stop_at: float, max_tokens: int, stats: dict,
+                      audio: bool = False) -> None:
     i = 0
+    speech = {"modalities": ["text", "audio"], "audio": {"format": "pcm16"}} if audio else {}
     while time.monotonic() < stop_at:
         i += 1
         t0 = time.monotonic()
-        first = None
+        first = first_audio = None
         tokens = 0
         finish = None
         try:
             stream = await client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": f"request {i}"}],
                 max_tokens=max_tokens, temperature=0.8, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **speech)
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content and first is None:
                     first = time.monotonic() - t0
+                delta_audio = chunk.choices[0].delta.audio if chunk.choices else None
+                if delta_audio and delta_audio.data:
+                    if first_audio is None:
+                        first_audio = time.monotonic() - t0
+                    stats["audio_s"] += len(delta_audio.data) * 3 / 4 / 2 / 24000
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
                 if chunk.usage:
@@ -46,26 +55,40 @@ async def client_loop(client, model: str, stop_at: float, max_tokens: int, stats
         stats["tokens"] += tokens
         if first is not None:
             stats["ttft"].append(first)
+        if audio:
+            if first_audio is None:
+                stats["incomplete"] += 1
+            else:
+                stats["ttfa"].append(first_audio)
 
 
 async def main(args) -> dict:
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
                                 timeout=120)
-    stats = {"done": 0, "tokens": 0, "ttft": [], "errors": [], "incomplete": 0}
+    stats = {"done": 0, "tokens": 0, "ttft": [], "ttfa": [], "audio_s": 0.0, "errors": [],
+             "incomplete": 0}
     t0 = time.monotonic()
     stop_at = t0 + args.duration
-    await asyncio.gather(*(client_loop(client, args.model, stop_at, args.max_tokens, stats)
+    await asyncio.gather(*(client_loop(client, args.model, stop_at, args.max_tokens, stats, args.audio)
                            for _ in range(args.concurrency)))
     wall = time.monotonic() - t0
     await client.close()
-    ttft = sorted(stats["ttft"])
-    pct = (lambda q: round(ttft[min(len(ttft) - 1, int(q * len(ttft)))], 4)) if ttft else (lambda q: None)
-    return {"concurrency": args.concurrency, "duration_s": round(wall, 1), "requests": stats["done"],
-            "req_per_s": round(stats["done"] / wall, 2), "tok_per_s": round(stats["tokens"] / wall, 1),
-            "ttft_p50_s": pct(0.5), "ttft_p95_s": pct(0.95),
-            "ttft_mean_s": round(statistics.mean(ttft), 4) if ttft else None,
-            "errors": len(stats["errors"]), "error_samples": stats["errors"][:3],
-            "incomplete": stats["incomplete"]}
+
+    def pct(values: list[float], q: float):
+        values = sorted(values)
+        return round(values[min(len(values) - 1, int(q * len(values)))], 4) if values else None
+
+    ttft = stats["ttft"]
+    out = {"concurrency": args.concurrency, "duration_s": round(wall, 1), "requests": stats["done"],
+           "req_per_s": round(stats["done"] / wall, 2), "tok_per_s": round(stats["tokens"] / wall, 1),
+           "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95),
+           "ttft_mean_s": round(statistics.mean(ttft), 4) if ttft else None,
+           "errors": len(stats["errors"]), "error_samples": stats["errors"][:3],
+           "incomplete": stats["incomplete"]}
+    if args.audio:
+        out.update(ttfa_p50_s=pct(stats["ttfa"], 0.5), ttfa_p95_s=pct(stats["ttfa"], 0.95),
+                   audio_s_per_s=round(stats["audio_s"] / wall, 2))
+    return out
 
 
 if __name__ == "__main__":
@@ -76,8 +99,11 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds to keep starting requests")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--audio", action="store_true", help="ask for speech too (pcm16 stream); report TTFA")
     result = asyncio.run(main(p.parse_args()))
     print(f"{result['requests']} requests in {result['duration_s']} s: {result['req_per_s']} req/s, "
           f"TTFT p50 {result['ttft_p50_s']} s p95 {result['ttft_p95_s']} s, "
-          f"errors {result['errors']}, incomplete {result['incomplete']}")
+          + (f"TTFA p50 {result['ttfa_p50_s']} s p95 {result['ttfa_p95_s']} s, "
+             f"{result['audio_s_per_s']} audio-s/s, " if result.get('ttfa_p50_s') is not None else "")
+          + f"errors {result['errors']}, incomplete {result['incomplete']}")
     print(json.dumps(result))

@@ -174,3 +174,60 @@ def test_health_and_metrics(omni_server, api_key):
     text = httpx.get(f"{omni_server}/metrics", headers=h).text
     assert 'omnistage_stage_requests{stage="talker"}' in text
     assert "omnistage_time_to_first_audio_seconds_count" in text
+
+
+def _metrics(base: str, auth: dict) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", headers=auth).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+CUT_OFF_STREAMS = 200
+
+
+def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
+    import asyncio
+    import time
+
+    import httpx
+
+    auth = {"Authorization": f"Bearer {api_key}"}
+    before = _metrics(omni_server, auth)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True, "ignore_eos": True,
+            "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
+            "talker": {"max_tokens": 2000, "min_tokens": 2000}}
+
+    async def cut_off(client, gate, lines_to_read: int):
+        async with gate:
+            async with client.stream("POST", f"{omni_server}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += bool(line)
+                    if seen >= lines_to_read:
+                        break          # leaving closes the connection mid-stream
+
+    async def main():
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(headers=auth, timeout=60) as client:
+            await asyncio.wait_for(asyncio.gather(
+                *(cut_off(client, gate, 2 + i % 9) for i in range(CUT_OFF_STREAMS))), 240)
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 15
+    while True:
+        m = _metrics(omni_server, auth)
+        held = sum(v for k, v in m.items() if k.startswith("omnistage_stage_requests"))
+        free = all(m[f'omnistage_kv_blocks_free{{stage="{s}"}}'] == m[f'omnistage_kv_blocks_total{{stage="{s}"}}']
+                   for s in ("thinker", "talker"))
+        if held == 0 and free and m["omnistage_requests_in_engine"] == 0:
+            break
+        assert time.monotonic() < deadline, f"still held after the clients left: {held} requests"
+        time.sleep(0.05)
+    aborted = m["omnistage_requests_aborted_total"] - before["omnistage_requests_aborted_total"]
+    assert aborted >= CUT_OFF_STREAMS - 10
