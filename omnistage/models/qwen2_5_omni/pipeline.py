@@ -23,8 +23,8 @@ from omnistage.models.qwen2_5_omni.loader import load_speakers, talker_tokens
 from omnistage.models.qwen2_5_omni.messages import OmniRequest
 from omnistage.models.qwen2_5_omni.processor import OmniProcessor, ProcessedPrompt
 from omnistage.models.qwen2_5_omni.recipe import (OmniSettings, build_router, build_stage,
-                                                  generation_defaults, hf_config, speaks,
-                                                  stage_names)
+                                                  generation_defaults, speaks, stage_names,
+                                                  thinker_config)
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
 from omnistage.models.loader import read_config
@@ -73,7 +73,7 @@ class Qwen2_5OmniPipeline:
         pre_file = model_dir / "preprocessor_config.json"
         pre = json.loads(pre_file.read_text()) if pre_file.is_file() else {}
         self.processor = OmniProcessor(self.tokenizer,
-                                       OmniLayout.from_thinker_config(hf_config(model_dir).thinker_config),
+                                       OmniLayout.from_thinker_config(thinker_config(model_dir)),
                                        VisionPreprocessConfig.from_dict(pre), self.settings.limits)
         self.sample_rate = 24000
         self._thinker_positions = read_config(model_dir)["thinker_config"]["text_config"].get(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from transformers import Qwen2_5OmniConfig
+from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
 from omnistage.llm.engine import LLMEngine, eos_token_ids, load_tokenizer
@@ -41,9 +41,15 @@ class OmniSettings:
     encoder_budget: int = 16384               # audio frames + vision patches per encoder step
 
 
-def hf_config(model_dir: str | Path) -> Qwen2_5OmniConfig:
-    raw = read_config(model_dir)
-    return Qwen2_5OmniConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+def thinker_config(model_dir: str | Path) -> Qwen2_5OmniThinkerConfig:
+    """transformers' thinker config (audio and vision sub-configs). Built alone: the whole
+    model's config also validates the talker's ids against its own vocabulary and warns about
+    the thinker ids it carries by design."""
+    return Qwen2_5OmniThinkerConfig(**read_config(model_dir)["thinker_config"])
+
+
+def token2wav_config(model_dir: str | Path) -> Qwen2_5OmniToken2WavConfig:
+    return Qwen2_5OmniToken2WavConfig(**read_config(model_dir)["token2wav_config"])
 
 
 def speaks(model_dir: str | Path, settings: OmniSettings) -> bool:
@@ -67,7 +73,7 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if name == "encoder":
-        tc = hf_config(model_dir).thinker_config
+        tc = thinker_config(model_dir)
         files = safetensors_files(model_dir)
         audio = AudioEncoder(tc.audio_config, dtype, dev)
         audio.load_weights(iter_weights(files))
@@ -87,7 +93,7 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
                            load_lm(model_dir, "talker", dtype, dev), None, set(stop))
         return ARStage(name, engine)
     if name == "token2wav":
-        t2w = Token2Wav(hf_config(model_dir).token2wav_config, torch.float32, dev)
+        t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
         t2w.load_weights(iter_weights(safetensors_files(model_dir)))
         return VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
     raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")
