@@ -58,24 +58,21 @@ class VocoderStage:
         if chunk.codes:
             s.feed(chunk.codes)
         if chunk.finished:
-            s.finishing = True
+            s.end()
 
     def step(self) -> list[StageOutput]:
-        rids = list(self._streams)
+        rids = [r for r, s in self._streams.items() if s.has_work() or s.finishing]
         streams = [self._streams[r] for r in rids]
         with torch.inference_mode():
-            pcm = step_streams(streams)
+            pcm = step_streams(streams)   # one batched solve; ended streams flush their tail
         out = []
         for rid, s, p in zip(rids, streams, pcm):
-            done = s.finishing and s.next == s.received
+            done = s.finishing and not s.has_work()
             if p is None and not done:
                 continue
-            pieces = [p] if p is not None else []
-            if done:   # flush the vocoder's held-back tail (a no-op if the last chunk did)
-                with torch.inference_mode():
-                    pieces += s.finish()
-            samples = torch.cat(pieces).float().cpu() if pieces else torch.zeros(0)
-            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done), final=done))
+            samples = p.float().cpu() if p is not None else torch.zeros(0)
+            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done),
+                                   final=done))
             if done:
                 self.abort(rid)
         return out
@@ -86,7 +83,7 @@ class VocoderStage:
             s.close()
 
     def has_work(self) -> bool:
-        return any(s.ready() or (s.finishing and s.next == s.received) for s in self._streams.values())
+        return any(s.has_work() or s.finishing for s in self._streams.values())
 
     def num_requests(self) -> int:
         return len(self._streams)
