@@ -95,6 +95,9 @@ def check_messages(messages, media_types: tuple[str, ...]) -> None:
         if isinstance(content, str):
             _check_text(content, f"messages[{i}].content")
         for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"message {i} has a text part without a string 'text'",
+                                          param=f"messages[{i}].content")
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 _check_text(part["text"], f"messages[{i}].content")
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__

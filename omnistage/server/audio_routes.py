@@ -96,10 +96,15 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
                                                  {"type": "text", "text": ask}]}]
         t0 = time.monotonic()
         text, duration = "", None
-        async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
-                                       request_id=f"transcribe-{request.state.request_id}",
-                                       output=OutputOptions(modalities=["text"])):
-            text += d.text
+        try:
+            async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
+                                           request_id=f"transcribe-{request.state.request_id}",
+                                           output=OutputOptions(modalities=["text"])):
+                text += d.text
+        except InvalidRequestError as e:
+            if e.param == "messages[0].content":    # the uploaded file failed to decode
+                raise InvalidRequestError(str(e).replace("messages[0].content", "file"), param="file") from e
+            raise
         text = text.strip()
         if response_format == "text":
             return PlainTextResponse(text)

@@ -181,12 +181,6 @@ def assert_openai_error(r: httpx.Response) -> dict:
 # ---- cases (P = pytest.param) ---------------------------------------------------------------
 
 P = pytest.param
-# Known gaps (silent 2xx): kept as strict xfails so that the fix turns them into passes.
-IGNORED_FORMAT = pytest.mark.xfail(strict=True, reason="input_audio.format is never read (the "
-                                   "decoder sniffs the bytes): an unknown format gets 200")
-UNCHECKED_TEXT = pytest.mark.xfail(strict=True, reason="check_messages checks a text part's 'text' only "
-                                   "when it is a str; missing or non-str text is rendered and gets 200")
-
 MEDIA_CASES = [
     P(au("!!!not base64!!!"), id="audio-bad-base64"),
     P(au(GARBAGE), id="audio-base64-of-garbage"),
@@ -199,8 +193,8 @@ MEDIA_CASES = [
     P(au(""), id="audio-empty-data"),
     P(au(wav(0)), id="audio-wav-zero-frames"),
     P(au(LONG_WAV), id="audio-301s-over-limit"),
-    P(au(wav(), "xyz"), id="audio-unknown-format", marks=IGNORED_FORMAT),
-    P(au(wav(), 5), id="audio-format-number", marks=IGNORED_FORMAT),
+    P(au(wav(), "xyz"), id="audio-unknown-format"),
+    P(au(wav(), 5), id="audio-format-number"),
     P(au(data_url("audio/wav", wav())), id="audio-data-url-instead-of-base64"),
     P(parts({"type": "audio_url", "audio_url": {"url": data_url("image/png", png())}}), id="audio-url-wrong-mime-png"),
     P(parts({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}), id="audio-url-remote"),
@@ -240,9 +234,9 @@ MEDIA_CASES = [
     P(parts({"type": "hologram", "hologram": {"url": "data:x/y;base64,AAAA"}}), id="part-unknown-type"),
     P(parts({"image_url": {"url": data_url("image/png", png())}}), id="part-without-type"),
     P(parts({"type": 5}), id="part-type-number"),
-    P(parts({"type": "text"}), id="text-part-missing-text", marks=UNCHECKED_TEXT),
-    P(parts({"type": "text", "text": 5}), id="text-part-number", marks=UNCHECKED_TEXT),
-    P(parts({"type": "text", "text": {"nested": "dict"}}), id="text-part-dict", marks=UNCHECKED_TEXT),
+    P(parts({"type": "text"}), id="text-part-missing-text"),
+    P(parts({"type": "text", "text": 5}), id="text-part-number"),
+    P(parts({"type": "text", "text": {"nested": "dict"}}), id="text-part-dict"),
 ]
 
 OUTPUT_CASES = [
@@ -354,8 +348,6 @@ def test_speech_chunked_body_over_limit(http):
     assert r.status_code == 413 and assert_openai_error(r)
 
 
-@pytest.mark.xfail(strict=True, reason="transcription decode errors name param 'messages[0].content' "
-                                       "(the internal chat the route builds), not the client's 'file'")
 def test_transcription_error_names_the_file(http):
     err = assert_openai_error(send(http, form(file=("a.wav", GARBAGE, "audio/wav"))))
     assert err["param"] == "file" and "messages[" not in err["message"], err

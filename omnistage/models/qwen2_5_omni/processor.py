@@ -22,7 +22,7 @@ import torch
 
 from omnistage.entrypoints.prompts import check_messages
 from omnistage.errors import InvalidRequestError
-from omnistage.media.audio import decode_audio, decode_base64
+from omnistage.media.audio import decode_audio, decode_base64, decode_pcm16
 from omnistage.media.image import decode_image, parse_data_url
 from omnistage.media.video import VideoLimits, decode_video
 from omnistage.models.qwen2_5_omni.audio_features import LogMelExtractor
@@ -34,6 +34,9 @@ from omnistage.models.qwen2_5_omni.rope_index import (ImageItem, MRopePositions,
 from omnistage.models.qwen2_5_omni.vision_preprocess import (VisionPreprocessConfig,
                                                              preprocess_image, preprocess_video)
 
+# What input_audio.format may name (OpenAI: wav, mp3). Files are recognised from their bytes;
+# pcm16 is headerless 16-bit mono at 24 kHz.
+INPUT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "pcm16")
 MEDIA_TYPES = ("input_audio", "audio", "audio_url", "image_url", "image", "video_url", "video")
 
 
@@ -150,8 +153,16 @@ class OmniProcessor:
             if not isinstance(body, dict) or not isinstance(body.get("data"), str):
                 raise InvalidRequestError(f"{where}: input_audio needs {{'data': base64, 'format': ...}}",
                                           param=where)
-            samples = decode_audio(decode_base64(body["data"], param=where),
-                                   max_seconds=self.limits.max_audio_seconds, param=where).samples
+            fmt = body.get("format", "wav")
+            if fmt not in INPUT_AUDIO_FORMATS:
+                raise InvalidRequestError(f"{where}: input_audio.format must be one of "
+                                          f"{', '.join(INPUT_AUDIO_FORMATS)}; got {fmt!r}", param=where)
+            raw = decode_base64(body["data"], param=where)
+            if fmt == "pcm16":   # headerless 16-bit mono at 24 kHz (the Realtime API's convention)
+                samples = decode_pcm16(raw, input_rate=24000, max_seconds=self.limits.max_audio_seconds,
+                                       param=where).samples
+            else:
+                samples = decode_audio(raw, max_seconds=self.limits.max_audio_seconds, param=where).samples
         elif isinstance(part.get("audio"), np.ndarray):
             samples = np.asarray(part["audio"], dtype=np.float32)
             if samples.ndim != 1 or samples.size / 16000 > self.limits.max_audio_seconds:
