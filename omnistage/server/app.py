@@ -28,6 +28,7 @@ from omnistage.media.fetch import MediaFetchPolicy
 from omnistage.server.audio_routes import add_audio_routes
 from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_response
+from omnistage.server.streams import chain
 from omnistage.server.metrics import ServerMetrics
 from omnistage.entrypoints.engines import OutputOptions
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -171,7 +172,7 @@ async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_
     texts, counts, reasons, logprobs = [""] * n, [0] * n, [None] * n, [[] for _ in range(n)]
     prompt_tokens = 0
     audio = AudioCollector()
-    async for d in _chain(first, deltas):
+    async for d in chain(first, deltas):
         texts[d.index] += d.text
         counts[d.index] += len(d.token_ids)
         prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
@@ -210,7 +211,7 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    async for d in _chain(first, deltas):   # closing this generator aborts the request
+    async for d in chain(first, deltas):   # closing this generator aborts the request
         prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
         completion_tokens += len(d.token_ids)
         if not (d.text or d.finished or d.index not in started or d.audio is not None):
@@ -258,15 +259,6 @@ async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: floa
     finally:
         stats.prompt_tokens += prompt_tokens
         await deltas.aclose()
-
-
-async def _chain(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    try:
-        yield first
-        async for d in rest:
-            yield d
-    finally:
-        await rest.aclose()   # aborts the request if it has not finished
 
 
 def _finish_reason(d: Delta) -> str:

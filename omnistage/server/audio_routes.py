@@ -17,6 +17,7 @@ from omnistage.entrypoints.engines import OutputOptions, is_pipeline
 from omnistage.errors import InvalidRequestError
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
 from omnistage.sampling_params import SamplingParams
+from omnistage.server.streams import chain
 
 SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
@@ -63,7 +64,7 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
             return StreamingResponse(_speech_chunks(first, deltas, body.response_format, inner.sample_rate),
                                      media_type=content_type(body.response_format))
         chunks, rate = [], inner.sample_rate
-        async for d in _chain(first, deltas):
+        async for d in chain(first, deltas):
             if d.audio is not None:
                 chunks.append(d.audio)
                 rate = d.sample_rate
@@ -115,17 +116,8 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
         return JSONResponse({"text": text})
 
 
-async def _chain(first, rest):
-    try:
-        yield first
-        async for d in rest:
-            yield d
-    finally:
-        await rest.aclose()     # aborts the request if the client went away
-
-
 async def _speech_sse(first, deltas):
-    async for d in _chain(first, deltas):
+    async for d in chain(first, deltas):
         if d.audio is not None:
             pcm = encode_audio(d.audio, d.sample_rate, "pcm")
             yield f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(pcm).decode()})}\n\n"
@@ -135,7 +127,7 @@ async def _speech_sse(first, deltas):
 async def _speech_chunks(first, deltas, fmt: str, sample_rate: int):
     enc, done = AudioStreamEncoder(fmt, sample_rate), False
     try:
-        async for d in _chain(first, deltas):
+        async for d in chain(first, deltas):
             if d.audio is not None:
                 out = enc.push(d.audio)
                 if out:
