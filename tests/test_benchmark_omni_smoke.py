@@ -31,8 +31,8 @@ def test_script_on_tiny_model_prints_one_json_line_last(tmp_path):
     env = {**os.environ, "OMNISTAGE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.omni_e2e", "--size", "tiny", "--concurrency", "1,8",
-         "--requests", "3", "--hf-requests", "1", "--text-tokens", "5", "--codec-tokens", "30", "--threads", "1",
-         "--out-json", str(tmp_path / "report.json")],
+         "--requests", "3", "--hf-requests", "1", "--text-tokens", "5", "--codec-tokens", "30",
+         "--threads", "1", "--out-json", str(tmp_path / "report.json")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,8 +47,11 @@ def test_script_on_tiny_model_prints_one_json_line_last(tmp_path):
         stages = level["stages"]
         assert {"thinker", "talker", "token2wav", "engine_step_s", "token2wav_dit_s"} <= set(stages)
         assert stages["thinker"]["calls"] > 0 and stages["talker"]["calls"] >= 30
+        assert stages["encoder"]["calls"] == 0                         # text prompts only
+        assert len(level["per_request"]["ttfa_s"]) == 3
     assert report["hf"]["requests"] == 1 and report["hf"]["audio_s"] == [pytest.approx(0.6)]
     assert report["hf"]["parts_s"]["token2wav_dit"] > 0
+    assert len(report["code"]["commit"]) == 40
     # Same greedy thinker on both sides; same forced audio length.
     assert report["correctness"] == {"requests_compared": 1, "text_tokens_equal_hf": True,
                                      "audio_s_equal_hf": True}

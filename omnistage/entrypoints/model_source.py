@@ -23,17 +23,22 @@ def resolve_model(model: str) -> str:
         from omnistage.errors import InvalidRequestError
 
         raise InvalidRequestError(f"{model!r} is not tiny:ARCH[:SIZE] (letters, digits, _)", param="model")
-    out = cache_dir() / "tiny" / f"{arch}-{size}-seed0"
+    return str(tiny_checkpoint(arch, size))
+
+
+def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
+    """The cached folder of a tiny random checkpoint, built there on first use."""
+    out = cache_dir() / "tiny" / f"{arch}-{size}-seed{seed}"
     if not (out / "config.json").is_file():
         # Imported only to build: the builders import transformers' modeling code (seconds).
         from omnistage.tiny import build_tiny
 
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        build_tiny(arch, tmp, seed=0, size=size)
+        build_tiny(arch, tmp, seed=seed, size=size)
         try:
             tmp.rename(out)  # atomic: a half-built folder is never picked up
         except OSError:
             if not (out / "config.json").is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
-    return str(out)
+    return out

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 
 from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
-from omnistage.models.qwen2_5_omni.token2wav import (StreamConfig, Token2Wav, Token2WavStream,
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, Token2WavStream,
                                                      step_streams)
 from omnistage.stages.base import StageOutput
 

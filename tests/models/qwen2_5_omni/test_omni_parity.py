@@ -18,7 +18,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
-from omnistage.models.qwen2_5_omni.token2wav import StreamConfig
+from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.vocoder import VocoderSettings
 

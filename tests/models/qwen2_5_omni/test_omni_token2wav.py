@@ -16,8 +16,8 @@ from transformers import Qwen2_5OmniToken2WavConfig, Qwen2_5OmniToken2WavModel
 
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
-from omnistage.models.qwen2_5_omni.token2wav import (StreamConfig, Token2Wav, Token2WavRequest,
-                                                     Token2WavStream, step_streams)
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavRequest
+from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig, Token2WavStream, step_streams
 from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout
 
 DIT = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=16, ff_mult=2,

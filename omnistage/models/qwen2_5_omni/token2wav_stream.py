@@ -1,0 +1,193 @@
+"""Streaming token2wav: `Token2WavStream` decodes one request as its codes arrive (chunked
+ODE solves over windows that cover the DiT's reach, then BigVGAN with overlap);
+`step_streams` advances many streams with one batched solve."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
+from omnistage.models.qwen2_5_omni.token2wav import (DiTJob, NoiseSource, Token2Wav, check_settings,
+                                                     solve)
+
+@dataclass
+class StreamConfig:
+    """How a stream cuts an utterance; sizes in codes (one code is `repeats` mel frames).
+
+    Each chunk of chunk_size codes gets its own ODE solve over a window with look_back codes of
+    left context (start rounded down to a DiT block, so the window's blocks are the utterance's)
+    and look_ahead codes of right context, and keeps only its own frames. BigVGAN runs with
+    vocoder_context mel frames of overlap each side (None: its receptive field, so the PCM is
+    exactly BigVGAN's over the streamed mel); PCM lags the mel by that much until finish().
+
+    Chunks grow: chunk k has min(chunk_size * 2**k, max_chunk_size) codes. The first stays
+    small (time to first audio); later ones amortise the window's context (look_back +
+    look_ahead codes computed again per chunk, and the vocoder's overlap) over more codes.
+    """
+    chunk_size: int = 36                   # defaults: for_dit() of the released model
+    look_ahead: int = 12                   # (24-frame blocks, 2 frames per code)
+    look_back: int = 24
+    vocoder_context: int | None = None
+    max_chunk_size: int | None = None      # None: chunks never grow
+
+    def __post_init__(self):
+        for name, low in (("chunk_size", 1), ("look_ahead", 0), ("look_back", 0), ("vocoder_context", 0),
+                          ("max_chunk_size", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise InvalidRequestError(f"{name} must be >= {low}", param=name)
+        if self.max_chunk_size is not None and self.max_chunk_size < self.chunk_size:
+            raise InvalidRequestError("max_chunk_size must be >= chunk_size", param="max_chunk_size")
+
+    def chunk(self, k: int) -> int:
+        """Codes in the k-th chunk (0-based)."""
+        grown = self.chunk_size * 2 ** min(k, 16)
+        return min(grown, self.max_chunk_size) if self.max_chunk_size else self.chunk_size
+
+    @property
+    def largest_chunk(self) -> int:
+        return self.max_chunk_size or self.chunk_size
+
+    @classmethod
+    def for_dit(cls, c) -> "StreamConfig":
+        """Per the DiT's masks: one pass's exact reach back and ahead (in blocks); the first
+        chunk 3 blocks, later ones growing to 12 blocks."""
+        block = math.ceil(c.block_size / c.repeats)
+        return cls(chunk_size=3 * block, look_ahead=len(c.look_ahead_layers) * block,
+                   look_back=len(c.look_backward_layers) * block, max_chunk_size=12 * block)
+
+
+@dataclass
+class ChunkPlan:
+    job: DiTJob
+    keep: tuple[int, int]        # frames of the window's mel that belong to the chunk
+    chunk_end: int               # first code after the chunk
+
+
+class Token2WavStream:
+    """One request: codec codes in (push), float32 PCM chunks at 24 kHz out (on the model's
+    device). Holds bounded state: codes and noise from the next window's start, and the
+    vocoder's mel window (see VocoderStream). close() drops it all."""
+
+    def __init__(self, model: Token2Wav, cond: torch.Tensor, ref_mel: torch.Tensor,
+                 noise: torch.Tensor | torch.Generator, config: StreamConfig | None = None,
+                 steps: int = 10, guidance_scale: float = 0.5, sway: float | None = -1.0):
+        c = model.config.dit_config
+        self.model, self.steps, self.sway = model, steps, sway
+        self.guidance = check_settings(steps, sway, guidance_scale)
+        self.cfg = config or StreamConfig.for_dit(c)
+        self.repeats = c.repeats
+        self.align = math.lcm(c.block_size, c.repeats) // c.repeats    # codes per window-start step
+        self.vctx = (model.vocoder.receptive_field() if self.cfg.vocoder_context is None
+                     else self.cfg.vocoder_context)
+        if self.cfg.chunk_size * self.repeats <= self.vctx:
+            raise InvalidRequestError(
+                f"chunk_size must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
+                f"{self.vctx} frames) for the first chunk to carry audio", param="chunk_size")
+        model.check_frames(self.repeats * (self.cfg.look_back + self.align + self.cfg.largest_chunk
+                                           + self.cfg.look_ahead))          # the longest window
+        self.speaker = model.speaker_terms(cond, ref_mel)
+        self.noise = NoiseSource(noise, c.mel_dim, c.block_size, model.device, model.dtype)
+        self.codes = torch.empty(0, dtype=torch.long, device=model.device)
+        # Absolute code indices: of self.codes[0], codes pushed so far, first code not decoded.
+        self.codes_start = self.received = self.next = 0
+        self.vocoder = VocoderStream(model.vocoder, self.vctx)
+        self.finishing = self.closed = False
+        self.num_chunks = 0      # chunks decoded so far (sizes grow with it)
+
+    def push(self, codes) -> list[torch.Tensor]:
+        """Add codes; returns the PCM chunks that became ready (possibly none)."""
+        self.feed(codes)
+        return self._drain()
+
+    def finish(self) -> list[torch.Tensor]:
+        """No more codes: decode the rest and flush the vocoder's tail."""
+        self.end()
+        return self._drain()
+
+    def end(self) -> None:
+        """No more codes will come (without decoding; step_streams decodes the rest)."""
+        self.feed(torch.zeros(0, dtype=torch.long))       # raises if closed
+        self.finishing = True
+
+    def close(self) -> None:
+        """Release every buffer; the stream cannot be used afterwards."""
+        self.closed = True
+        self.codes = self.vocoder = self.noise = self.speaker = None
+
+    def feed(self, codes) -> None:
+        """Add codes without decoding (step_streams decodes many streams together)."""
+        if self.closed:
+            raise InvalidRequestError("this token2wav stream is closed; open a new one")
+        codes = self.model.check_codes(codes)
+        if self.finishing and codes.numel():
+            raise InvalidRequestError("codes arrived after finish(); open a new stream", param="codes")
+        self.codes = torch.cat([self.codes, codes])
+        self.received += codes.numel()
+
+    def ready(self) -> bool:
+        """A chunk can be decoded now."""
+        left = self.received - self.next
+        return not self.closed and (left >= self.cfg.chunk(self.num_chunks) + self.cfg.look_ahead
+                                    or (self.finishing and left > 0))
+
+    def has_work(self) -> bool:
+        """A chunk to decode, or (after end()) PCM still to emit."""
+        return self.ready() or (self.finishing and not self.closed and self.vocoder.pending())
+
+    def plan(self) -> ChunkPlan:
+        cs, c = self.next, self.cfg
+        size = c.chunk(self.num_chunks)
+        if self.received - cs >= size + c.look_ahead:
+            ce, we = cs + size, cs + size + c.look_ahead
+        else:                       # finishing: the rest is one window
+            ce = we = self.received
+        ws, r = self._window_start(cs), self.repeats
+        job = DiTJob(self.codes[ws - self.codes_start:we - self.codes_start],
+                     self.noise.frames(ws * r, we * r), self.speaker, self.guidance, ws * r)
+        return ChunkPlan(job, ((cs - ws) * r, (ce - ws) * r), ce)
+
+    def accept(self, plan: ChunkPlan, mel: torch.Tensor) -> torch.Tensor | None:
+        """Take the window's mel (frames, mel_dim); returns new PCM, if any."""
+        self.next = plan.chunk_end
+        self.num_chunks += 1
+        ws = self._window_start(self.next)          # nothing before it is needed again
+        self.codes, self.codes_start = self.codes[ws - self.codes_start:], ws
+        self.noise.release(ws * self.repeats)
+        return self.vocoder.push(mel[plan.keep[0]:plan.keep[1]].T,
+                                 final=self.finishing and self.next == self.received)
+
+    def _window_start(self, chunk_start: int) -> int:
+        return max(0, (chunk_start - self.cfg.look_back) // self.align * self.align)
+
+    def _drain(self) -> list[torch.Tensor]:
+        out = []
+        while self.has_work():
+            pcm = step_streams([self])[0]
+            if pcm is not None:
+                out.append(pcm)
+        return out
+
+
+def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:
+    """Decode one chunk of every ready stream, and flush the tail of ended ones. Streams of the
+    same model and ODE settings share one batched solve (one DiT forward per evaluation for all
+    their windows and guidance rows). Returns each stream's new PCM chunk, or None."""
+    out: list[torch.Tensor | None] = [None] * len(streams)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(streams):
+        if s.ready():
+            groups.setdefault((id(s.model), s.steps, s.sway), []).append(i)
+        elif s.has_work():
+            out[i] = s.vocoder.flush()
+    for idx in groups.values():
+        plans = [streams[i].plan() for i in idx]
+        first = streams[idx[0]]
+        mels = solve(first.model.dit, [p.job for p in plans], first.steps, first.sway)
+        for i, plan, mel in zip(idx, plans, mels):
+            out[i] = streams[i].accept(plan, mel)
+    return out
