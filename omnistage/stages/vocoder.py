@@ -1,9 +1,13 @@
 """The vocoder stage: codec tokens in, PCM chunks out, many requests per batched pass.
 
 Each request owns a Token2WavStream (bounded state: the codes and mel its next window needs).
-A step decodes one chunk of every stream that has enough codes (chunk + look-ahead, or the
-tail once the talker finished) in one batched ODE solve, so a request's first audio comes
-after its first chunk of codes, not after the whole answer.
+A step decodes one chunk of each of several streams that have enough codes (chunk +
+look-ahead, or the tail once the talker finished) in one batched ODE solve, so a request's
+first audio comes after its first chunk of codes, not after the whole answer.
+
+A step takes windows up to `frame_budget` mel frames (at least one): streams still waiting for
+their first audio first, then the others oldest first. Short steps let the thinker and talker
+run in between, and a new request's first chunk never waits behind older requests' later ones.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class VocoderSettings:
     guidance_scale: float = 0.5
     stream: StreamConfig | None = None   # None: the DiT's own block reach (StreamConfig.for_dit)
     seed: int = 0                        # unseeded request i draws noise from seed + i
+    frame_budget: int = 1536             # mel frames of DiT windows per step (at least one window)
 
 
 class VocoderStage:
@@ -61,8 +66,22 @@ class VocoderStage:
         if chunk.finished:
             s.end()
 
+    def _pick(self) -> list[str]:
+        """This step's streams: first-audio-pending before the rest, each group oldest first,
+        within the frame budget; streams with only a tail to flush cost nothing."""
+        chosen, spent = [], 0
+        busy = [r for r, s in self._streams.items() if s.has_work() or s.finishing]
+        for rid in sorted(busy, key=lambda r: self._streams[r].num_chunks > 0):   # stable sort
+            s = self._streams[rid]
+            cost = s.window_frames() if s.ready() else 0
+            if cost and chosen and spent + cost > self.settings.frame_budget:
+                continue
+            chosen.append(rid)
+            spent += cost
+        return chosen
+
     def step(self) -> list[StageOutput]:
-        rids = [r for r, s in self._streams.items() if s.has_work() or s.finishing]
+        rids = self._pick()
         streams = [self._streams[r] for r in rids]
         with torch.inference_mode():
             pcm = step_streams(streams)   # one batched solve; ended streams flush their tail

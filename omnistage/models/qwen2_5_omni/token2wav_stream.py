@@ -55,9 +55,10 @@ class StreamConfig:
     @classmethod
     def for_dit(cls, c) -> "StreamConfig":
         """Per the DiT's masks: one pass's exact reach back and ahead (in blocks); the first
-        chunk 3 blocks, later ones growing to 12 blocks."""
+        chunk 2 blocks (it must outlast the vocoder's context to carry audio), later ones
+        growing to 12 blocks."""
         block = math.ceil(c.block_size / c.repeats)
-        return cls(chunk_size=3 * block, look_ahead=len(c.look_ahead_layers) * block,
+        return cls(chunk_size=2 * block, look_ahead=len(c.look_ahead_layers) * block,
                    look_back=len(c.look_backward_layers) * block, max_chunk_size=12 * block)
 
 
@@ -134,6 +135,11 @@ class Token2WavStream:
         left = self.received - self.next
         return not self.closed and (left >= self.cfg.chunk(self.num_chunks) + self.cfg.look_ahead
                                     or (self.finishing and left > 0))
+
+    def window_frames(self) -> int:
+        """Mel frames of the next chunk's ODE window (its cost in a batched solve)."""
+        c = self.cfg
+        return (min(c.look_back + self.align, self.next) + c.chunk(self.num_chunks) + c.look_ahead) * self.repeats
 
     def has_work(self) -> bool:
         """A chunk to decode, or (after end()) PCM still to emit."""
