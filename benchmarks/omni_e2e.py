@@ -46,6 +46,9 @@ TOPICS = ("the sea", "a lighthouse", "winter", "a train", "the desert", "bees", 
 GRAPH = "<graph>"   # StageClock's key for the whole engine step (stages + routing)
 
 
+VOCODER_FRAME_BUDGET = 1536   # VocoderSettings' default
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="Qwen2.5-Omni folder (default: build --size into the cache)")
@@ -61,6 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch threads on both sides (default: torch's choice)")
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--codec-tokens", type=int, default=300)
+    p.add_argument("--deploy-config", default=None, metavar="YAML",
+                   help="stage placement (e.g. token2wav in its own process); stages outside this "
+                        "process are not in the per-stage breakdown")
+    p.add_argument("--frame-budget", type=int, default=VOCODER_FRAME_BUDGET,
+                   help="token2wav mel frames per step (VocoderSettings.frame_budget)")
     p.add_argument("--engine-opt", action="append", default=[], type=_engine_option,
                    metavar="KEY=VALUE", help="omnistage engine option, e.g. linear_kernel=matmul")
     p.add_argument("--out-json", help="also write the final JSON object here")
@@ -293,7 +301,12 @@ def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResu
         options.setdefault("num_threads", args.threads)
     options.setdefault("max_num_seqs", max(64, max(args.concurrency)))
     t0 = time.perf_counter()
-    engine = AsyncOmni(str(args.model_dir), **options)
+    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
+    from omnistage.stages.vocoder import VocoderSettings
+
+    settings = OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget))
+    engine = AsyncOmni(str(args.model_dir), omni_settings=settings, deploy_config=args.deploy_config,
+                       **options)
     report["omnistage_engine_start_s"] = round(time.perf_counter() - t0, 3)
     report["omnistage_options"] = options
     log(f"[omnistage] engine started in {report['omnistage_engine_start_s']:.1f} s; stages "

@@ -54,6 +54,7 @@ class StageGraph:
             raise ValueError(f"edges name unknown stages: {bad}; stages: {sorted(self.stages)}")
         self._allowed = {(e.src, e.dst) for e in router.edges}
         self.num_aborted_requests = 0
+        self.last_batch = {name: 0 for name in self.stages}   # requests in each stage's last step
 
     # ---- the engine interface ------------------------------------------------------------
     @property
@@ -75,7 +76,9 @@ class StageGraph:
             if not stage.has_work():
                 continue
             busy = True
-            for out in stage.step():
+            outs = stage.step()
+            self.last_batch[stage.name] = len({o.request_id for o in outs})
+            for out in outs:
                 if isinstance(out.payload, StageFailure):
                     deltas += self._fail(out.payload)
                     continue
@@ -118,6 +121,8 @@ class StageGraph:
             out.append((f'omnistage_stage_requests{{stage="{name}"}}', "gauge",
                         "requests a stage holds (queued, running or waiting for input)",
                         stage.num_requests()))
+            out.append((f'omnistage_stage_batch_size{{stage="{name}"}}', "gauge",
+                        "requests served by a stage's last step", self.last_batch[name]))
             if isinstance(stage, ARStage):
                 out += stage.engine.metrics(f'stage="{name}"')
         return out

@@ -231,3 +231,23 @@ def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
         time.sleep(0.05)
     aborted = m["omnistage_requests_aborted_total"] - before["omnistage_requests_aborted_total"]
     assert aborted >= CUT_OFF_STREAMS - 10
+
+
+def test_async_client_streams_speech(omni_server, api_key, offline):
+    import asyncio
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{omni_server}/v1", api_key=api_key, max_retries=0, timeout=120)
+        pcm = b""
+        stream = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, modalities=["text", "audio"],
+            audio={"voice": "Chelsie", "format": "pcm16"}, stream=True, extra_body={"talker": TALKER})
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if choice.delta.audio and choice.delta.audio.data:
+                    pcm += base64.b64decode(choice.delta.audio.data)
+        await client.close()
+        return pcm
+
+    pcm = asyncio.run(main())
+    np.testing.assert_allclose(_pcm16(pcm), _offline_speech(offline).audio, atol=1.5 / 32768)
