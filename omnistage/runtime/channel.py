@@ -177,6 +177,11 @@ class Channel:
         self._recv_poller.register(sentinel, zmq.POLLIN)
         self._send_poller.register(sentinel, zmq.POLLIN)
 
+    def readable(self) -> bool:
+        """Whether recv(0) may return something now: a queued message, data on the socket, or
+        a peer known to be gone (its death is reported by recv)."""
+        return bool(self._inbox) or self._peer_gone is not None or bool(self._sock.poll(0))
+
     def wait_ready(self, timeout: float) -> None:
         """Parent: wait for the child's HELLO. TimeoutError, or PeerDeadError if it died."""
         deadline = time.monotonic() + timeout

@@ -154,9 +154,7 @@ class RemoteStage:
             return True
         if self.dead:
             return False
-        ch = self.channel
-        return (bool(ch._inbox) or ch._peer_gone is not None or bool(ch._sock.poll(0))
-                or not self._child.alive())
+        return self.channel.readable() or not self._child.alive()
 
     def num_requests(self) -> int:
         return len(self._inflight)
