@@ -98,7 +98,11 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if detail == "There was an error parsing the body":   # FastAPI's words for any bad body
+            detail = ("the request body could not be parsed: send valid UTF-8 JSON (or, for "
+                      "uploads, multipart/form-data) without excessive nesting")
+        return error_response(exc.status_code, detail)
 
     def check_request(name: str, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens >= engine.engine.max_model_len:
