@@ -3,8 +3,8 @@ stage's own ones. Everything crosses as msgspec messages (tensors as raw bytes /
 memory); the stage is built in the child from its recipe module, config and settings.
 
 Parent -> child: StageInit (once), the stage's input messages, Abort, (closing = shutdown).
-Child -> parent: Ready | InitFailed (once), the stage's output payloads, Final (after a
-request's last output), RequestFailed (a message the stage refused).
+Child -> parent: Ready | InitFailed (once), the stage's output payloads, Final (just before
+a request's last output), RequestFailed (a message the stage refused).
 """
 
 from __future__ import annotations
@@ -91,6 +91,6 @@ def _serve(channel: Channel, stage) -> None:
             msg = channel.recv(0)
         if stage.has_work():
             for out in stage.step():
+                if out.final:   # announced first: the parent is done with the request as soon
+                    channel.send(Final(out.request_id))   # as it reads the payload
                 channel.send(out.payload)
-                if out.final:
-                    channel.send(Final(out.request_id))

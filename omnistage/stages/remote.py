@@ -43,6 +43,7 @@ class RemoteStage:
         self.restarts = 0
         self.dead: str | None = None          # why the stage is gone for good
         self._inflight: set[str] = set()
+        self._final_next: set[str] = set()     # requests whose next payload is their last
         self._failed: list[StageOutput] = []   # failures to report on the next step
         self._child = None
         self._launch()
@@ -85,6 +86,7 @@ class RemoteStage:
             rid, f"stage {self.name!r} failed: its process died ({why})"), final=True)
             for rid in sorted(self._inflight)]
         self._inflight.clear()
+        self._final_next.clear()
         self._child.shutdown(timeout=1.0)
         if self.restarts >= self.max_restarts:
             self.dead = f"stage {self.name!r} died {self.restarts + 1} times; not restarting"
@@ -118,6 +120,7 @@ class RemoteStage:
     def abort(self, request_id: str) -> None:
         if request_id in self._inflight and not self.dead:
             self._inflight.discard(request_id)
+            self._final_next.discard(request_id)
             try:
                 self.channel.send(Abort(request_id))
             except PeerDeadError as e:
@@ -129,16 +132,20 @@ class RemoteStage:
             return out
         try:
             while (msg := self.channel.recv(0)) is not None:
-                if isinstance(msg, Final):
-                    self._inflight.discard(msg.request_id)
-                    if out and out[-1].request_id == msg.request_id:
-                        out[-1].final = True
+                if isinstance(msg, Final):          # the next payload for it is its last
+                    self._final_next.add(msg.request_id)
                 elif isinstance(msg, RequestFailed):
                     self._inflight.discard(msg.request_id)
                     out.append(StageOutput(self.name, msg.request_id,
                                            StageFailure(msg.request_id, msg.message), final=True))
-                elif msg.request_id in self._inflight:   # else: aborted meanwhile
-                    out.append(StageOutput(self.name, msg.request_id, msg))
+                else:
+                    rid = msg.request_id
+                    final = rid in self._final_next
+                    self._final_next.discard(rid)
+                    if rid in self._inflight:          # else: aborted meanwhile
+                        out.append(StageOutput(self.name, rid, msg, final=final))
+                    if final:
+                        self._inflight.discard(rid)
         except PeerDeadError as e:
             self._on_death(str(e))
         else:

@@ -88,3 +88,14 @@ def test_killed_stage_fails_its_requests_and_restarts(omni_dir, local_out):
         assert all(s.num_requests() == 0 for s in omni.engine.graph.stages.values())
         [again] = omni.generate(PROMPT, PARAMS, output=OPTS)   # the restarted stage serves
     _same(again, local_out)
+
+
+def test_remote_stages_hold_nothing_once_a_request_is_done(omni_dir):
+    """At the moment the caller sees the request finish, no stage still counts it (a remote
+    stage learns a request's last output is final before that output arrives)."""
+    deploy = DeployConfig.everywhere("process", ["thinker", "token2wav"])
+    with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        for _ in range(3):
+            for d in omni.stream(PROMPT, PARAMS, OPTS):
+                if d.finished:
+                    assert all(s.num_requests() == 0 for s in omni.engine.graph.stages.values())
