@@ -19,7 +19,6 @@ Human-readable lines go to stdout as it runs; the LAST line is one JSON object w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -30,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 from benchmarks import bandwidth, hf_peers  # noqa: E402
 from benchmarks.checkpoint import ensure_model  # noqa: E402
-from benchmarks.machine import other_load  # noqa: E402
+from benchmarks.machine import finish_report, other_load  # noqa: E402
 from benchmarks.workload import Measurement, make_workload, usable_token_ids  # noqa: E402
 
 SYSTEMS = ("omnistage", "hf", "hf-batch", "single", "vllm")
@@ -247,13 +246,8 @@ def main(argv=None) -> dict:
         if res["best"] is None:
             report["errors"]["vllm"] = "every vllm config failed (see vllm_configs)"
         runs["vllm_best"] = res["best"]
-    report["load_avg_end"] = os.getloadavg()
     summarize(report, runs)
-    line = json.dumps(report)
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(report, indent=1))
-    print(line, flush=True)
-    return report
+    return finish_report(report, args.out_json)
 
 
 if __name__ == "__main__":

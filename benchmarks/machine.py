@@ -38,3 +38,16 @@ def other_load(into: dict):
         if before and after and wall > 0:
             others = (after[0] - before[0]) - (after[1] - before[1])
             into["other_cores"] = round(max(0.0, others) / wall, 2)
+
+
+def finish_report(report: dict, out_json: str | None) -> dict:
+    """Record the end load, write the report to `out_json` (if given) and print it as the
+    last stdout line (one JSON object)."""
+    import json
+    from pathlib import Path
+
+    report["load_avg_end"] = os.getloadavg()
+    if out_json:
+        Path(out_json).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report), flush=True)
+    return report

@@ -37,7 +37,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 from benchmarks import omni_peers  # noqa: E402
 from benchmarks.llm_throughput import _busy_note, _engine_option, log  # noqa: E402
-from benchmarks.machine import other_load  # noqa: E402
+from benchmarks.machine import finish_report, other_load  # noqa: E402
 from benchmarks.omni_peers import percentile, print_breakdown, print_table, summarize  # noqa: E402
 
 TOPICS = ("the sea", "a lighthouse", "winter", "a train", "the desert", "bees", "a violin",
@@ -378,14 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
                 args.model_dir, [chat(i) for i in range(args.hf_requests)], args.text_tokens,
                 args.codec_tokens, args.threads))
         report["hf_other_cores"] = load.get("other_cores", 0.0)
-    report["load_avg_end"] = os.getloadavg()
     summarize(report, levels, hf, args.text_tokens)
     print_table(report)
-    line = json.dumps(report)
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(report, indent=1))
-    print(line, flush=True)
-    return report
+    return finish_report(report, args.out_json)
 
 
 if __name__ == "__main__":
