@@ -99,3 +99,19 @@ def test_remote_stages_hold_nothing_once_a_request_is_done(omni_dir):
             for d in omni.stream(PROMPT, PARAMS, OPTS):
                 if d.finished:
                     assert all(s.num_requests() == 0 for s in omni.engine.graph.stages.values())
+
+
+def test_stage_past_its_restarts_makes_the_model_unhealthy(omni_dir):
+    deploy = DeployConfig.everywhere("process", ["token2wav"])
+    with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        stage = omni.engine.graph.stages["token2wav"]
+        stage.max_restarts = 0
+        assert omni.engine.health() is None
+        stage._child._child.process.kill()
+        with pytest.raises(StageFailedError):
+            omni.generate(PROMPT, PARAMS, output=OPTS)
+        assert stage.dead and "token2wav" in omni.engine.health()
+        with pytest.raises(StageFailedError, match="not restarting"):   # fails at once now
+            omni.generate(PROMPT, PARAMS, output=OPTS)
+        [text] = omni.generate(PROMPT, PARAMS, output=OutputOptions(modalities=["text"]))
+        assert text.token_ids                                          # text still served
