@@ -12,6 +12,7 @@ import torch
 
 from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import EmbedFeed
+from omnistage.outputs import TokenLogprob
 from omnistage.sampling_params import SamplingParams
 from omnistage.stages.base import StageOutput
 
@@ -50,6 +51,7 @@ class ARStepOutput(msgspec.Struct):
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 class ARStage:
@@ -100,7 +102,7 @@ class ARStage:
                 self._feeds.pop(d.request_id, None)
             out.append(StageOutput(self.name, d.request_id, ARStepOutput(
                 d.request_id, d.token_ids, d.text, d.hidden_states, d.input_embeds,
-                d.finished, d.finish_reason, d.num_prompt_tokens), final=d.finished))
+                d.finished, d.finish_reason, d.num_prompt_tokens, d.logprobs), final=d.finished))
         return out
 
     def abort(self, request_id: str) -> None:

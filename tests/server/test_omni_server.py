@@ -251,3 +251,15 @@ def test_async_client_streams_speech(omni_server, api_key, offline):
 
     pcm = asyncio.run(main())
     np.testing.assert_allclose(_pcm16(pcm), _offline_speech(offline).audio, atol=1.5 / 32768)
+
+
+def test_text_routes_on_the_omni_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    lp = chat.choices[0].logprobs.content
+    assert len(lp) == 4 and all(len(t.top_logprobs) == 2 for t in lp)
+    done = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0)
+    streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+    assert done.usage.completion_tokens == 5

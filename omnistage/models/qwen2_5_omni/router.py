@@ -125,7 +125,7 @@ class OmniRouter:
         if flow.want_audio and o.hidden_states is not None:
             out += self._talker_inputs(flow, o)
         if o.token_ids or o.text:
-            out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids,
+            out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids, logprobs=o.logprobs,
                                       num_prompt_tokens=o.num_prompt_tokens)))
         if o.finished:
             flow.text_done, flow.finish_reason = True, o.finish_reason
