@@ -30,6 +30,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     suppress_token_ids: list[int] = field(default_factory=list)  # never sampled
+    # Teacher forcing: the sample's tokens are these, in order, whatever the model prefers
+    # (e.g. text a speech model must say verbatim); it stops after the last one.
+    forced_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None        # None: none; k >= 0: sampled token's logprob + top-k
@@ -42,6 +45,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.suppress_token_ids = list(self.suppress_token_ids)
+        self.forced_token_ids = list(self.forced_token_ids)
         self._check()
 
     def _check(self) -> None:
@@ -80,6 +84,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         if any(not isinstance(t, int) or t < 0 for t in self.suppress_token_ids):
             raise bad("suppress_token_ids", "must be a list of non-negative token ids")
+        if any(not isinstance(t, int) or t < 0 for t in self.forced_token_ids):
+            raise bad("forced_token_ids", "must be a list of non-negative token ids")
+        if self.forced_token_ids and self.n != 1:
+            raise bad("forced_token_ids", "needs n == 1 (every sample would be the same)")
 
     @property
     def greedy(self) -> bool:

@@ -269,6 +269,13 @@ class LLMEngine:
             if hit is not None:
                 s, idx = hit
                 return "stop", s, idx + (len(s) if p.include_stop_str_in_output else 0)
+        if p.forced_token_ids:     # a forced sample ends with its last forced token
+            if seq.num_output_tokens >= len(p.forced_token_ids):
+                return "stop", None, len(text)
+            if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) \
+                    or seq.num_tokens >= self.max_model_len:
+                return "length", None, len(text)
+            return None, None, 0
         if tok in self.eos_token_ids and not p.ignore_eos:
             return "stop", None, len(text)
         if tok in p.stop_token_ids:

@@ -196,13 +196,17 @@ class ModelRunner:
             logits = logits[torch.tensor(expand, device=self.device)]
         out = self.sampler(logits, self._batch(seqs))
         tokens = out.token_ids.tolist()
+        for i, s in enumerate(seqs):
+            forced = s.params.forced_token_ids
+            if s.num_output_tokens < len(forced):
+                tokens[i] = forced[s.num_output_tokens]
         sampled = [SampledToken(s, t) for s, t in zip(seqs, tokens)]
         if out.logprobs is not None:
             lp = out.logprobs.tolist()
             top_ids, top_lp = out.top_token_ids.tolist(), out.top_logprobs.tolist()
             for i, st in enumerate(sampled):
                 k = st.seq.params.logprobs
-                if k is not None:
+                if k is not None and not st.seq.params.forced_token_ids:
                     st.logprob = lp[i]
                     st.top_logprobs = list(zip(top_ids[i][:k], top_lp[i][:k]))
         return sampled

@@ -51,11 +51,15 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
             raise InvalidRequestError("speed applies to whole files; drop it or stream_format",
                                       param="speed")
         text = (body.instructions.strip() + "\n\n" if body.instructions else "") + READ_ALOUD + body.input
-        # The thinker reads the input back; allow it the input's length in tokens and some slack.
-        budget = min(len(inner.tokenizer.encode(body.input)) * 2 + 16, inner.max_model_len // 2)
+        # The thinker's answer is forced to be the input, verbatim, then its end-of-turn token:
+        # the talker speaks from the thinker's hidden states over exactly those tokens.
+        forced = inner.tokenizer.encode(body.input, add_special_tokens=False) + [inner.end_of_turn_id]
+        if len(forced) >= inner.max_model_len // 2:
+            raise InvalidRequestError("input is too long for this model's context window", param="input")
         rid = f"speech-{request.state.request_id}"
         deltas = engine.generate([{"role": "user", "content": text}],
-                                 SamplingParams(temperature=0, max_tokens=budget), request_id=rid,
+                                 SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
+                                 request_id=rid,
                                  output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
         first = await anext(deltas)     # request errors surface before any byte is sent
         if body.stream_format == "sse":

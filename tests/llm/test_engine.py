@@ -171,3 +171,15 @@ def test_prompt_embeds_shape_is_checked(llm):
     with pytest.raises(InvalidRequestError, match="same length"):
         llm.generate({"prompt_embeds": torch.zeros(4, hidden), "prompt_token_ids": [1, 2, 3]})
     assert not llm.engine.requests and llm.engine.num_free_blocks == llm.engine.num_blocks
+
+
+def test_forced_tokens_are_the_output_and_end_it(llm):
+    forced = [5, 9, 100, 7, 250]
+    [out] = llm.generate("Once upon a time", SamplingParams(temperature=1.0, max_tokens=50, seed=3,
+                                                            forced_token_ids=forced, logprobs=2))
+    assert out.token_ids == forced and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].logprobs is None       # a forced token was not drawn from the model
+    [cut] = llm.generate("Once upon a time", SamplingParams(max_tokens=3, forced_token_ids=forced))
+    assert cut.token_ids == forced[:3] and cut.outputs[0].finish_reason == "length"
+    with pytest.raises(Exception, match="forced_token_ids"):
+        SamplingParams(n=2, forced_token_ids=forced)

@@ -76,6 +76,9 @@ class Qwen2_5OmniPipeline:
                                        OmniLayout.from_thinker_config(thinker_config(model_dir)),
                                        VisionPreprocessConfig.from_dict(pre), self.settings.limits)
         self.sample_rate = 24000
+        # The token that ends the assistant's turn (ChatML <|im_end|>): a forced answer ends with it.
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.end_of_turn_id = end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id
         self._thinker_positions = read_config(model_dir)["thinker_config"]["text_config"].get(
             "max_position_embeddings", 32768)
         log.info("Qwen2.5-Omni ready: stages %s, speakers %s", list(self.graph.stages), self.speakers)

@@ -119,3 +119,16 @@ def test_abort_mid_stream_frees_every_stage(omni_dir, local_only):
     assert not thinker.requests and not talker.requests
     assert all(s.num_requests() == 0 for s in pipe.graph.stages.values())
     assert not pipe.has_unfinished_requests() and pipe.num_aborted_requests == 1
+
+
+def test_forced_answer_is_spoken(omni_dir):
+    """Teacher forcing (what /v1/audio/speech uses): the thinker's answer is exactly the given
+    tokens, and the talker speaks from its hidden states over them."""
+    omni = Omni(omni_dir, linear_kernel="matmul")
+    tok = omni.tokenizer
+    forced = tok.encode("the sea and the sky", add_special_tokens=False) + [omni.engine.end_of_turn_id]
+    [out] = omni.generate([{"role": "user", "content": "Read this aloud."}],
+                          SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
+                          output=OutputOptions(talker_params=_talker(4)))
+    assert out.token_ids == forced and out.text.startswith("the sea and the sky")
+    assert out.audio is not None and out.audio.size >= 20 * 2 * 240
