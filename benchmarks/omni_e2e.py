@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deploy-config", default=None, metavar="YAML",
                    help="stage placement (e.g. token2wav in its own process); stages outside this "
                         "process are not in the per-stage breakdown")
+    p.add_argument("--token2wav-bf16", action="store_true",
+                   help="opt-in: the token2wav DiT's matmuls in bfloat16 (not the reference's numerics)")
     p.add_argument("--frame-budget", type=int, default=VOCODER_FRAME_BUDGET,
                    help="token2wav mel frames per step (VocoderSettings.frame_budget)")
     p.add_argument("--engine-opt", action="append", default=[], type=_engine_option,
@@ -304,7 +306,8 @@ def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResu
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
     from omnistage.stages.vocoder import VocoderSettings
 
-    settings = OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget))
+    settings = OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget,
+                                                    bf16_dit=args.token2wav_bf16))
     engine = AsyncOmni(str(args.model_dir), omni_settings=settings, deploy_config=args.deploy_config,
                        **options)
     report["omnistage_engine_start_s"] = round(time.perf_counter() - t0, 3)

@@ -61,6 +61,9 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "ray (a Ray actor); see docs/architecture.md")
     g.add_argument("--token2wav-steps", type=int, default=10,
                    help="ODE steps of the speech decoder per chunk (default: 10)")
+    g.add_argument("--token2wav-bf16", action="store_true",
+                   help="speech decoder DiT matmuls in bfloat16: ~1.4x faster on CPUs with bf16 "
+                        "units, mel within ~0.2%% RMS of float32 (default: float32, as the reference)")
 
 
 def omni_options(args: argparse.Namespace) -> dict:
@@ -68,7 +71,8 @@ def omni_options(args: argparse.Namespace) -> dict:
     from omnistage.stages.vocoder import VocoderSettings
 
     return {"deploy_config": args.deploy_config,
-            "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps))}
+            "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps,
+                                                                  bf16_dit=args.token2wav_bf16))}
 
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -96,7 +96,9 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
     if name == "token2wav":
         t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
         t2w.load_weights(iter_weights(safetensors_files(model_dir)))
-        if config.linear_kernel != "matmul" and onednn_linear_available(dev, torch.float32):
+        if settings.vocoder.bf16_dit:
+            t2w.dit.bf16_matmuls = True    # (packed fp32 GEMMs would ignore autocast)
+        elif config.linear_kernel != "matmul" and onednn_linear_available(dev, torch.float32):
             t2w.dit.pack_for_onednn()      # ~1.7x on the DiT's GEMMs on CPU
         return VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
     raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")

@@ -132,3 +132,18 @@ def test_forced_answer_is_spoken(omni_dir):
                           output=OutputOptions(talker_params=_talker(4)))
     assert out.token_ids == forced and out.text.startswith("the sea and the sky")
     assert out.audio is not None and out.audio.size >= 20 * 2 * 240
+
+
+def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir):
+    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
+    from omnistage.stages.vocoder import VocoderSettings
+
+    prompt, params = [{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=6)
+    opts = OutputOptions(talker_params=_talker(3))
+    [ref] = Omni(omni_dir, linear_kernel="matmul").generate(prompt, params, output=opts)
+    fast = Omni(omni_dir, linear_kernel="matmul", omni_settings=OmniSettings(vocoder=VocoderSettings(bf16_dit=True)))
+    assert fast.engine.graph.stages["token2wav"].model.dit.bf16_matmuls
+    [out] = fast.generate(prompt, params, output=opts)
+    assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
+    rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
+    assert 0 < rel < 0.05, rel      # not the same numerics, but the same speech
