@@ -4,6 +4,7 @@
       token2wav: {where: process}        # its own OS process
       talker:    {where: ray}            # a Ray actor (ray.init() or an existing cluster)
       thinker:   {where: local}          # this process (the default for unlisted stages)
+      encoder:   {where: process, replicas: 2, num_threads: 1}   # two copies, requests spread
 
 Placement is deployment, not code: the recipe builds the same stage wherever it runs, and
 the graph talks to it through the same Stage protocol.
@@ -23,10 +24,17 @@ WHERE = ("local", "process", "ray")
 class StagePlacement:
     where: str = "local"                 # local | process | ray
     num_threads: int | None = None       # torch threads in that process (process/ray)
+    replicas: int = 1                    # copies of the stage (process/ray); requests spread over them
 
     def __post_init__(self) -> None:
         if self.where not in WHERE:
             raise InvalidRequestError(f"deploy config: where must be one of {WHERE}, got {self.where!r}",
+                                      param="deploy_config")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise InvalidRequestError(f"deploy config: replicas must be a positive integer, got "
+                                      f"{self.replicas!r}", param="deploy_config")
+        if self.replicas > 1 and self.where == "local":
+            raise InvalidRequestError("deploy config: replicas > 1 needs where: process or ray",
                                       param="deploy_config")
 
 
@@ -75,11 +83,14 @@ class DeployConfig:
                 return build()
             cfg = replace(config, num_threads=spec.num_threads or config.num_threads)
             if spec.where == "process":
-                from omnistage.stages.remote import RemoteStage
+                from omnistage.stages.remote import RemoteStage as kind
+            else:
+                from omnistage.stages.ray_stage import RayStage as kind
+            copies = [kind(name, recipe, cfg, settings) for _ in range(spec.replicas)]
+            if len(copies) == 1:
+                return copies[0]
+            from omnistage.stages.replicas import ReplicatedStage
 
-                return RemoteStage(name, recipe, cfg, settings)
-            from omnistage.stages.ray_stage import RayStage
-
-            return RayStage(name, recipe, cfg, settings)
+            return ReplicatedStage(name, copies)
 
         return place

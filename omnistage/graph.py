@@ -90,10 +90,10 @@ class StageGraph:
 
     def _wait_remote(self, timeout: float) -> None:
         from omnistage.runtime.channel import wait_any
-        from omnistage.stages.remote import RemoteStage
+        from omnistage.stages.remote import remote_members
 
-        channels = [s.channel for s in self.stages.values()
-                    if isinstance(s, RemoteStage) and not s.dead and s.num_requests()]
+        channels = [s.channel for s in remote_members(self.stages.values())
+                    if not s.dead and s.num_requests()]
         if channels:
             wait_any(channels, timeout)
 

@@ -182,10 +182,21 @@ class _ProcessHandle:
         return f"process {self._child.process.pid}"
 
 
+def remote_members(stages) -> list[RemoteStage]:
+    """The remote stages among `stages`, replicas included."""
+    from omnistage.stages.replicas import ReplicatedStage
+
+    out = []
+    for s in stages:
+        members = s.replicas if isinstance(s, ReplicatedStage) else [s]
+        out += [m for m in members if isinstance(m, RemoteStage)]
+    return out
+
+
 def wait_all_started(stages) -> None:
     """Collect the start-up answers of every remote stage (they start in parallel); on a
     failure, stop the others and raise."""
-    remote = [s for s in stages if isinstance(s, RemoteStage)]
+    remote = remote_members(stages)
     try:
         for s in remote:
             s.wait_started()

@@ -115,3 +115,46 @@ def test_stage_past_its_restarts_makes_the_model_unhealthy(omni_dir):
             omni.generate(PROMPT, PARAMS, output=OPTS)
         [text] = omni.generate(PROMPT, PARAMS, output=OutputOptions(modalities=["text"]))
         assert text.token_ids                                          # text still served
+
+
+def test_replicas_share_requests_and_give_the_same_output(omni_dir, local_out):
+    from omnistage.deploy import StagePlacement
+
+    deploy = DeployConfig({"token2wav": StagePlacement("process", num_threads=1, replicas=2)})
+    with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        pipe, stage = omni.engine, omni.engine.graph.stages["token2wav"]
+        pp = pipe.prepare(PROMPT, want_audio=True)
+        for rid in ("a", "b"):
+            pipe.add_request(rid, pp, PARAMS, OPTS.talker_params, want_audio=True)
+        audio, spread = {"a": [], "b": []}, False
+        while pipe.has_unfinished_requests():
+            for d in pipe.step():
+                if d.audio is not None:
+                    audio[d.request_id].append(d.audio)
+            spread |= [r.num_requests() for r in stage.replicas] == [1, 1]
+        assert spread                      # one request on each copy
+        for chunks in audio.values():      # each the same as the in-process graph's
+            np.testing.assert_allclose(np.concatenate(chunks), local_out.audio, atol=1e-5)
+
+
+@pytest.mark.parametrize("yaml_text, why", [
+    ("stages:\n  talker: {where: gpu}\n", "where must be one of"),
+    ("stages:\n  talker: {where: process, replicas: 0}\n", "replicas must be a positive"),
+    ("stages:\n  talker: {replicas: 2}\n", "needs where: process or ray"),
+    ("stages:\n  talker: {where: process, colour: red}\n", "colour"),
+    ("workers: 3\n", "unknown keys"),
+])
+def test_bad_deploy_configs_say_what_is_wrong(tmp_path, yaml_text, why):
+    from omnistage.errors import InvalidRequestError
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(InvalidRequestError, match=why):
+        DeployConfig.from_yaml(path)
+
+
+def test_deploy_config_names_only_real_stages(omni_dir):
+    from omnistage.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="stages this model does not have"):
+        Omni(omni_dir, deploy_config=DeployConfig.everywhere("process", ["vocoder"]))
