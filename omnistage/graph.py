@@ -97,14 +97,20 @@ class StageGraph:
         if channels:
             wait_any(channels, timeout)
 
+    def _drop(self, request_id: str) -> bool:
+        """Stop a request in every stage and forget it; False if it was not in flight."""
+        if request_id not in self.router.unfinished():
+            return False
+        for stage in self.stages.values():
+            stage.abort(request_id)
+        self.router.forget(request_id)
+        return True
+
     def _fail(self, failure: StageFailure) -> list[Delta]:
         """A stage lost a request: stop it everywhere; the caller gets the error."""
         rid = failure.request_id
-        if rid not in self.router.unfinished():
+        if not self._drop(rid):
             return []
-        for stage in self.stages.values():
-            stage.abort(rid)
-        self.router.forget(rid)
         return [Delta(rid, 0, "", [], finished=True, finish_reason="error", error=failure.message)]
 
     def health(self) -> str | None:
@@ -135,15 +141,9 @@ class StageGraph:
     def has_unfinished_requests(self) -> bool:
         return bool(self.router.unfinished())
 
-    def has_work(self) -> bool:
-        return any(s.has_work() for s in self.stages.values())
-
     def abort_request(self, request_id: str) -> list[Delta]:
-        if request_id not in self.router.unfinished():
+        if not self._drop(request_id):
             return []
-        for stage in self.stages.values():
-            stage.abort(request_id)
-        self.router.forget(request_id)
         self.num_aborted_requests += 1
         return [Delta(request_id, 0, "", [], finished=True, finish_reason="abort")]
 

@@ -19,7 +19,6 @@ from omnistage.media.encode import AudioStreamEncoder, change_speed, content_typ
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.streams import chain
 
-SPEECH_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
 TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."
 

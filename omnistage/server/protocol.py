@@ -14,9 +14,6 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-AUDIO_FORMATS = ("wav", "pcm16", "flac", "mp3", "opus", "aac")
-
-
 class AudioParams(BaseModel):
     """Chat completions' `audio` field: how to speak the answer."""
     voice: str | None = None                   # None: the model's first speaker

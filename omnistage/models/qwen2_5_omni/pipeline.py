@@ -56,7 +56,8 @@ class Qwen2_5OmniPipeline:
         model_dir = Path(config.model)
         self.audio_output = speaks(model_dir, self.settings)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        tokens = talker_tokens(read_config(model_dir))
+        raw = read_config(model_dir)
+        tokens = talker_tokens(raw)
         self.codec_bos = tokens.codec_bos
         self.talker_defaults = default_talker_params(model_dir, tokens.codec_bos)
         self.speakers = sorted(load_speakers(model_dir)) if self.audio_output else []
@@ -65,7 +66,6 @@ class Qwen2_5OmniPipeline:
             return build()
 
         place = placement or here
-        self._stage_names = stage_names(model_dir, self.settings)
         stages = [place(name, lambda name=name: build_stage(name, config, self.settings))
                   for name in stage_names(model_dir, self.settings)]
         wait_all_started(stages)
@@ -79,7 +79,7 @@ class Qwen2_5OmniPipeline:
         # The token that ends the assistant's turn (ChatML <|im_end|>): a forced answer ends with it.
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.end_of_turn_id = end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id
-        self._thinker_positions = read_config(model_dir)["thinker_config"]["text_config"].get(
+        self._thinker_positions = raw["thinker_config"]["text_config"].get(
             "max_position_embeddings", 32768)
         log.info("Qwen2.5-Omni ready: stages %s, speakers %s", list(self.graph.stages), self.speakers)
 

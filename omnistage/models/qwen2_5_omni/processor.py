@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from omnistage.entrypoints.prompts import check_messages
 from omnistage.errors import InvalidRequestError
@@ -203,6 +202,3 @@ class OmniProcessor:
         item = VideoItem(patches.grid_thw, patches.second_per_grid, audio=audio)
         return (MediaInput("video", patches.pixel_values, patches.grid_thw, video_audio=audio_feats), item)
 
-
-def prompt_tensor(ids: list[int]) -> torch.Tensor:
-    return torch.tensor(ids, dtype=torch.int64)

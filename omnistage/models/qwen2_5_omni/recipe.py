@@ -31,9 +31,6 @@ from omnistage.stages.base import Stage
 from omnistage.stages.encoder import EncoderStage
 from omnistage.stages.vocoder import VocoderSettings, VocoderStage
 
-ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
-
-
 @dataclass
 class OmniSettings:
     audio_output: bool = True                 # load talker + token2wav

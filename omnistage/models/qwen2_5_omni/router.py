@@ -51,7 +51,6 @@ class _Flow:
     want_audio: bool
     prompt_rows: list[torch.Tensor] = field(default_factory=list)   # (n, H) chunks
     rows_seen: int = 0                    # thinker positions whose vectors arrived
-    first_reply: torch.Tensor | None = None
     talker_started: bool = False
     text_done: bool = False
     audio_done: bool = False
