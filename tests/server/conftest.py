@@ -78,3 +78,4 @@ def start_server():
     """`with start_server(model_dir, *flags) as running:` (running.base, running.proc) for tests
     that need a server of their own."""
     return running_server
+

@@ -14,6 +14,8 @@ import pytest
 from omnistage import Omni, SamplingParams
 from omnistage.entrypoints.engines import OutputOptions
 
+from server_helpers import cut_off_streams
+
 # Every field given: the server merges them over the model's talker defaults.
 TALKER = {"temperature": 0, "max_tokens": 40, "min_tokens": 30, "seed": 9, "repetition_penalty": 1.05,
           "top_k": -1, "top_p": 1.0}
@@ -191,10 +193,8 @@ CUT_OFF_STREAMS = 200
 
 
 def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
-    import asyncio
     import time
 
-    import httpx
 
     auth = {"Authorization": f"Bearer {api_key}"}
     before = _metrics(omni_server, auth)
@@ -202,23 +202,7 @@ def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
             "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
             "talker": {"max_tokens": 2000, "min_tokens": 2000}}
 
-    async def cut_off(client, gate, lines_to_read: int):
-        async with gate:
-            async with client.stream("POST", f"{omni_server}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += bool(line)
-                    if seen >= lines_to_read:
-                        break          # leaving closes the connection mid-stream
-
-    async def main():
-        gate = asyncio.Semaphore(32)
-        async with httpx.AsyncClient(headers=auth, timeout=60) as client:
-            await asyncio.wait_for(asyncio.gather(
-                *(cut_off(client, gate, 2 + i % 9) for i in range(CUT_OFF_STREAMS))), 240)
-
-    asyncio.run(main())
+    cut_off_streams(omni_server, auth, body, CUT_OFF_STREAMS, lines_cycle=9, timeout_s=240)
     deadline = time.monotonic() + 15
     while True:
         m = _metrics(omni_server, auth)

@@ -11,6 +11,8 @@ import pytest
 
 from omnistage import Omni, SamplingParams
 
+from server_helpers import cut_off_streams
+
 
 @pytest.fixture(scope="module")
 def client(server, api_key):
@@ -129,23 +131,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
     aborted = _metric(server, auth, "omnistage_requests_aborted_total")
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
-    async def cut_off(client: httpx.AsyncClient, gate: asyncio.Semaphore, lines_to_read: int):
-        async with gate:
-            async with client.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
-                assert r.status_code == 200
-                seen = 0
-                async for line in r.aiter_lines():
-                    seen += bool(line)
-                    if seen >= lines_to_read:
-                        break       # leaving the block closes the connection mid-stream
-
-    async def main():
-        gate = asyncio.Semaphore(32)
-        async with httpx.AsyncClient(headers=auth, timeout=60) as client:
-            await asyncio.wait_for(asyncio.gather(
-                *(cut_off(client, gate, 2 + i % 7) for i in range(CUT_OFF_STREAMS))), 120)
-
-    asyncio.run(main())
+    cut_off_streams(server, auth, body, CUT_OFF_STREAMS, lines_cycle=7, timeout_s=120)
     deadline = time.monotonic() + 10     # bounded wait for the aborts to land
     while (_metric(server, auth, "omnistage_requests_in_engine") != 0
            or _metric(server, auth, "omnistage_kv_blocks_free") != total):

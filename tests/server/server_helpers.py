@@ -1,0 +1,30 @@
+"""Helpers shared by the server test files (imported by name: tests/server is on sys.path)."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def cut_off_streams(base: str, auth: dict, body: dict, count: int, lines_cycle: int,
+                    timeout_s: float) -> None:
+    """Open `count` streaming chat completions (32 at a time) and leave each after reading
+    2 + i % lines_cycle non-empty lines, which closes its connection mid-stream."""
+    import asyncio
+
+    async def cut_off(client: httpx.AsyncClient, gate: asyncio.Semaphore, lines_to_read: int):
+        async with gate:
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += bool(line)
+                    if seen >= lines_to_read:
+                        break       # leaving the block closes the connection mid-stream
+
+    async def main():
+        gate = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(headers=auth, timeout=60) as client:
+            await asyncio.wait_for(asyncio.gather(
+                *(cut_off(client, gate, 2 + i % lines_cycle) for i in range(count))), timeout_s)
+
+    asyncio.run(main())
