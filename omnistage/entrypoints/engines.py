@@ -4,16 +4,17 @@ engine's thread). A plain LLM runs on LLMEngine; an omni model on its stage grap
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 from omnistage.config import EngineConfig
 from omnistage.entrypoints.prompts import parse_prompt
 from omnistage.errors import InvalidRequestError
 from omnistage.llm.engine import LLMEngine
+from omnistage.models import STAGE_GRAPH_ARCHITECTURES
 from omnistage.models.loader import architecture_of, read_config
 from omnistage.sampling_params import SamplingParams
 
-OMNI_ARCHITECTURES = ("Qwen2_5OmniForConditionalGeneration",)
 MODALITIES = ("text", "audio")
 
 
@@ -42,10 +43,12 @@ class OutputOptions:
 
 def build_engine(config: EngineConfig, omni_settings=None, deploy=None):
     """`deploy`: a DeployConfig or a YAML path saying where each stage runs (omni models)."""
-    if architecture_of(read_config(config.model)) in OMNI_ARCHITECTURES:
+    arch = architecture_of(read_config(config.model))
+    if arch in STAGE_GRAPH_ARCHITECTURES:
         from omnistage.deploy import DeployConfig
-        from omnistage.models.qwen2_5_omni import recipe
         from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
+
+        recipe = importlib.import_module(STAGE_GRAPH_ARCHITECTURES[arch])
 
         settings = omni_settings or recipe.OmniSettings()
         placement = None

@@ -10,8 +10,14 @@ _ARCHITECTURES = {
 }
 
 
+# Multi-stage models served as a stage graph: architecture -> the module of its recipe.
+STAGE_GRAPH_ARCHITECTURES = {
+    "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.recipe",
+}
+
+
 def supported_architectures() -> list[str]:
-    return sorted(_ARCHITECTURES)
+    return sorted([*_ARCHITECTURES, *STAGE_GRAPH_ARCHITECTURES])
 
 
 def resolve_model_class(architecture: str) -> type:
