@@ -8,6 +8,11 @@ import numpy as np
 import torch
 
 
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """float [0, 1] -> uint8, rounding as diffusers' numpy_to_pil does (x * 255, rounded)."""
+    return (pixels * 255).round().astype(np.uint8)
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -33,6 +38,10 @@ class Delta:
     audio: np.ndarray | None = None     # new float32 PCM samples (speech-producing models)
     sample_rate: int | None = None
     error: str | None = None            # with finish_reason "error": what failed (not the client)
+    progress: tuple[int, int] | None = None   # diffusion: (steps done, total steps)
+    images: list[np.ndarray] | None = None    # diffusion: float32 pixels in [0, 1], one per sample:
+                                              # (H, W, 3) images or (F, H, W, 3) videos
+    seed: int | None = None             # diffusion: the seed the request ran with
 
 
 @dataclass
@@ -65,7 +74,22 @@ class OmniOutput:
     num_cached_tokens: int = 0
     audio: np.ndarray | None = None     # float32 waveform, for speech-producing models
     sample_rate: int | None = None
-    images: list = field(default_factory=list)
+    images: list = field(default_factory=list)   # image models: PIL images, one per sample
+    pixels: list[np.ndarray] | None = None       # image/video models: float32 [0, 1], (H, W, 3)
+                                                 # per image or (F, H, W, 3) per video
+    seed: int | None = None                      # image/video models: the seed used
+    fps: int | None = None                       # video models: frames per second
+
+    @property
+    def videos(self) -> list[np.ndarray]:
+        """Video models: uint8 (F, H, W, 3) frames per sample."""
+        return [to_uint8(v) for v in self.pixels or [] if v.ndim == 4]
+
+    def mp4(self, index: int = 0) -> bytes:
+        """Video models: sample `index` encoded as an H.264 MP4 at `fps`."""
+        from omnistage.media.video_encode import encode_mp4
+
+        return encode_mp4(self.videos[index], self.fps or 16)
 
     @property
     def text(self) -> str:

@@ -46,17 +46,18 @@ def build_engine(config: EngineConfig, omni_settings=None, deploy=None):
     arch = architecture_of(read_config(config.model))
     if arch in STAGE_GRAPH_ARCHITECTURES:
         from omnistage.deploy import DeployConfig
-        from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
 
         recipe = importlib.import_module(STAGE_GRAPH_ARCHITECTURES[arch])
-
-        settings = omni_settings or recipe.OmniSettings()
+        settings = omni_settings or recipe.SETTINGS()
+        if not isinstance(settings, recipe.SETTINGS):
+            raise InvalidRequestError(f"this model takes {recipe.SETTINGS.__name__}, not "
+                                      f"{type(settings).__name__}", param="omni_settings")
         placement = None
         if deploy is not None:
             deploy = deploy if isinstance(deploy, DeployConfig) else DeployConfig.from_yaml(deploy)
             deploy.check(recipe.stage_names(config.model, settings))
             placement = deploy.placement(recipe.__name__, config, settings)
-        return Qwen2_5OmniPipeline(config, settings, placement)
+        return recipe.build_pipeline(config, settings, placement)
     if deploy is not None:
         raise InvalidRequestError("a deploy config applies to multi-stage (omni) models only",
                                   param="deploy_config")
@@ -67,8 +68,15 @@ def is_pipeline(engine) -> bool:
     return not isinstance(engine, LLMEngine)
 
 
+def is_diffusion(engine) -> bool:
+    """An image/video model (its requests take DiffusionParams)."""
+    return getattr(engine, "pipeline_class", None) is not None
+
+
 def prepare(engine, prompt, opts: OutputOptions):
     """-> an object with .text and .token_ids (and whatever submit needs)."""
+    if is_diffusion(engine):
+        return engine.prepare(prompt)
     if is_pipeline(engine):
         return engine.prepare(prompt, opts.wants_audio(engine), opts.use_audio_in_video)
     if opts.wants_audio(engine):   # raises: a text model asked for audio
@@ -78,7 +86,9 @@ def prepare(engine, prompt, opts: OutputOptions):
 
 def submit(engine, request_id: str, prepared, params: SamplingParams, opts: OutputOptions,
            return_hidden_states: bool = False) -> None:
-    if is_pipeline(engine):
+    if is_diffusion(engine):
+        engine.add_request(request_id, prepared, params)
+    elif is_pipeline(engine):
         if return_hidden_states:
             raise InvalidRequestError("return_hidden_states is not offered for omni models",
                                       param="return_hidden_states")

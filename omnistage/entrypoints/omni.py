@@ -9,7 +9,7 @@ import torch
 from omnistage.config import EngineConfig
 import numpy as np
 
-from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
+from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
 from omnistage.entrypoints.model_source import resolve_model
 from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for
 from omnistage.errors import InvalidRequestError, StageFailedError
@@ -62,10 +62,12 @@ class Omni:
                 f"prompts must be one prompt (a string, a dict or a chat message list) or a list "
                 f"of prompts, got {type(prompts).__name__}", param="prompt")
         prompts = list(prompts)
-        outputs = self._add(prompts, params_for(sampling_params, len(prompts)), return_hidden_states,
+        outputs = self._add(prompts, self._params(sampling_params, len(prompts)), return_hidden_states,
                             output or OutputOptions())
         hidden: dict[tuple[str, int], list[torch.Tensor]] = {}
         audio: dict[str, list[np.ndarray]] = {}
+        if is_diffusion(self.engine):
+            return self._collect_images(outputs, use_tqdm)
         bar = _progress(sum(len(o.outputs) for o in outputs.values())) if use_tqdm else None
         tokens = 0
         for d in self._drain(outputs):
@@ -89,10 +91,40 @@ class Omni:
             outputs[rid].outputs[i].hidden_states = torch.cat(hs)
         return list(outputs.values())
 
+    def _collect_images(self, outputs: dict[str, OmniOutput], use_tqdm: bool) -> list[OmniOutput]:
+        """Image/video models: progress is denoising steps; results land in .images/.pixels."""
+        from PIL import Image
+
+        from omnistage.outputs import to_uint8
+
+        bar, done = (_progress(0, "denoise", "step") if use_tqdm else None), {}
+        for d in self._drain(outputs):
+            out = outputs[d.request_id]
+            if d.progress is not None and bar is not None:
+                done[d.request_id] = d.progress
+                bar.total = sum(t for _, t in done.values())
+                bar.n = sum(s for s, _ in done.values())
+                bar.refresh()
+            if d.finished:
+                out.outputs[0].add(d)
+                out.pixels, out.seed = d.images, d.seed
+                out.images = [Image.fromarray(to_uint8(p)) for p in d.images or [] if p.ndim == 3]
+        if bar is not None:
+            bar.close()
+        return list(outputs.values())
+
+    def _params(self, sampling_params, count: int) -> list:
+        if is_diffusion(self.engine):
+            from omnistage.diffusion.params import DiffusionParams
+
+            return params_for(sampling_params, count, DiffusionParams)
+        return params_for(sampling_params, count)
+
     def stream(self, prompt, sampling_params: SamplingParams | None = None,
                output: OutputOptions | None = None) -> Iterator[Delta]:
-        """Deltas of one prompt as the engine makes them (text deltas; audio chunks in .audio)."""
-        yield from self._drain(self._add([prompt], params_for(sampling_params, 1), False,
+        """Deltas of one prompt as the engine makes them (text deltas; audio chunks in .audio;
+        denoising progress and the finished images for image/video models)."""
+        yield from self._drain(self._add([prompt], self._params(sampling_params, 1), False,
                                          output or OutputOptions()))
 
     def _add(self, prompts: list, params: list[SamplingParams], hidden: bool,
@@ -103,8 +135,11 @@ class Omni:
             for pp, sp in zip(parsed, params):
                 rid = new_request_id()
                 submit(self.engine, rid, pp, sp, opts, hidden)
+                samples = 1 if is_diffusion(self.engine) else sp.n   # images come as one delta
                 outputs[rid] = OmniOutput(rid, pp.text, list(pp.token_ids),
-                                          [CompletionOutput(i) for i in range(sp.n)])
+                                          [CompletionOutput(i) for i in range(samples)])
+                if is_diffusion(self.engine):
+                    outputs[rid].fps = sp.fps
         except BaseException:
             self._abort(outputs)
             raise
@@ -126,7 +161,7 @@ class Omni:
             self.engine.abort_request(rid)
 
 
-def _progress(total: int):
+def _progress(total: int, desc: str = "generate", unit: str = "sample"):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="sample", dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)

@@ -108,11 +108,15 @@ def check_messages(messages, media_types: tuple[str, ...]) -> None:
                     param=f"messages[{i}].content")
 
 
-def params_for(sampling_params, count: int) -> list[SamplingParams]:
+def params_for(sampling_params, count: int, kind: type = SamplingParams) -> list:
+    """One params object per prompt; `kind` is SamplingParams (text) or DiffusionParams."""
     if sampling_params is None:
-        return [SamplingParams() for _ in range(count)]
-    if isinstance(sampling_params, SamplingParams):
+        return [kind() for _ in range(count)]
+    if isinstance(sampling_params, kind):
         return [sampling_params] * count
+    if not isinstance(sampling_params, (list, tuple)):
+        raise InvalidRequestError(f"this model takes {kind.__name__}, not {type(sampling_params).__name__}",
+                                  param="sampling_params")
     params = list(sampling_params)
     if len(params) != count:
         raise InvalidRequestError(

@@ -13,6 +13,10 @@ _ARCHITECTURES = {
 # Multi-stage models served as a stage graph: architecture -> the module of its recipe.
 STAGE_GRAPH_ARCHITECTURES = {
     "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.recipe",
+    # diffusers folders (model_index.json "_class_name"): one recipe for every family
+    **{name: "omnistage.diffusion.recipe" for name in (
+        "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",
+        "QwenImageLayeredPipeline", "ZImagePipeline", "WanPipeline", "WanImageToVideoPipeline")},
 }
 
 

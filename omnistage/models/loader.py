@@ -28,6 +28,11 @@ def read_config(model_dir: str | Path) -> dict:
             f"model path {str(model_dir)!r} is not a folder; pass a local HF-format folder "
             f"(config.json + *.safetensors), e.g. one built by `omnistage tiny qwen2 DIR`")
     cfg_file = path / "config.json"
+    if not cfg_file.is_file() and (path / "model_index.json").is_file():
+        # a diffusers folder: its pipeline class stands for the architecture
+        from omnistage.diffusion.components import read_model_index
+
+        return {"architectures": [read_model_index(path)["_class_name"]], "diffusers": True}
     if not cfg_file.is_file():
         raise ModelNotFoundError(f"{cfg_file} is missing; the model folder needs an HF config.json")
     try:

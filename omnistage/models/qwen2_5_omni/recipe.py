@@ -115,6 +115,12 @@ def generation_defaults(model_dir: str | Path) -> dict:
 SETTINGS = OmniSettings
 
 
+def build_pipeline(config: EngineConfig, settings: OmniSettings, placement=None):
+    from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
+
+    return Qwen2_5OmniPipeline(config, settings, placement)
+
+
 def _message_types() -> list[type]:
     from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, EncodedMedia,
                                                         EncodeJob)

@@ -1,0 +1,61 @@
+"""Loading a diffusers-format folder's components (model_index.json + one subfolder each).
+
+model_index.json names, per component, a library and a class: ["diffusers",
+"QwenImageTransformer2DModel"]. Only classes of diffusers and transformers are loaded (a
+folder cannot make us import anything else), each with its own `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.errors import CheckpointError, ModelLoadError
+
+_LIBRARIES = ("diffusers", "transformers")
+_NO_DTYPE = ("scheduler", "tokenizer", "processor", "feature_extractor", "image_processor")
+
+
+def read_model_index(folder: str | Path) -> dict:
+    path = Path(folder) / "model_index.json"
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path} is missing; a diffusers folder needs model_index.json") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise ModelLoadError(f"{path} must be an object with a '_class_name'")
+    return index
+
+
+def load_component(folder: str | Path, name: str, dtype: torch.dtype, device: torch.device,
+                   index: dict | None = None) -> Any:
+    """The component `name` of the folder (None when model_index.json lists it as null)."""
+    index = index if index is not None else read_model_index(folder)
+    spec = index.get(name)
+    if spec is None or spec == [None, None]:
+        return None
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in _LIBRARIES):
+        raise ModelLoadError(f"model_index.json: component {name!r} must be [library, class] with "
+                             f"library one of {_LIBRARIES}, got {spec!r}")
+    library, cls_name = spec
+    cls = getattr(importlib.import_module(library), cls_name, None)
+    if cls is None:
+        raise ModelLoadError(f"model_index.json: {library} has no class {cls_name!r} (component {name!r}); "
+                             f"the installed {library} may be too old")
+    sub = Path(folder) / name
+    if not sub.is_dir():
+        raise CheckpointError(f"{sub} is missing (model_index.json lists component {name!r})")
+    try:
+        if name in _NO_DTYPE or cls_name.endswith(("Tokenizer", "TokenizerFast", "Processor", "Scheduler")):
+            return cls.from_pretrained(sub)
+        kw = {"dtype": dtype} if library == "transformers" else {"torch_dtype": dtype}
+        model = cls.from_pretrained(sub, **kw)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"cannot load component {name!r} from {sub}: {e}") from e
+    return model.to(device).eval()

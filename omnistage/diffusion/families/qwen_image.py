@@ -1,0 +1,197 @@
+"""Qwen-Image (text to image) on the diffusion stage: diffusers' QwenImageTransformer2DModel,
+AutoencoderKLQwenImage, Qwen2.5-VL text encoder and FlowMatchEulerDiscreteScheduler, driven
+step by step across requests.
+
+Latent layout: the VAE's (C, 1, h, w) latents are cut into 2x2 patches and packed as a
+sequence, (1, h/2 * w/2, 4C). Jobs batch together when their image shapes are equal (the
+rotary table is shared by the batch); prompts of different lengths are right-padded and
+masked. The edit variants (an input image's latents appended to the sequence) build on this
+class (qwen_image_edit.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omnistage.diffusion.cache import StepCache
+from omnistage.diffusion.components import load_component, read_model_index
+from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.messages import DiffusionRequest
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
+from omnistage.diffusion.transformer_runner import QwenImageRunner
+from omnistage.errors import InvalidRequestError, ModelLoadError
+
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, "
+                   "texture, quantity, text, spatial relationships of the objects and background:"
+                   "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+TEMPLATE_DROP = 34           # template tokens dropped from the embeddings (pipeline constant)
+TOKENIZER_MAX = 1024         # prompt tokens kept (before the drop)
+MAX_SEQUENCE_LENGTH = 512    # embeddings kept per prompt (diffusers' default)
+
+
+@dataclass
+class QwenCond:
+    """Conditioning of one request, shared by its samples."""
+
+    embeds: torch.Tensor                  # (T, D) prompt embeddings
+    neg_embeds: torch.Tensor | None       # (T', D) negative prompt embeddings; None: no CFG
+    cfg_scale: float
+    img_shapes: tuple                     # ((frames, h/2, w/2), ...) output first, then inputs
+    image_latents: torch.Tensor | None = None   # (1, L_in, 4C) packed input-image latents (edits)
+    extra: dict = field(default_factory=dict)
+
+
+class QwenImageFamily:
+    name = "qwen_image"
+    is_video = False
+    default_steps = 50
+    default_true_cfg = 4.0
+
+    def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
+        index = read_model_index(folder)
+        self.device, self.dtype = device, dtype
+        self.transformer = load_component(folder, "transformer", dtype, device, index)
+        self.vae = load_component(folder, "vae", dtype, device, index)
+        self.text_encoder = load_component(folder, "text_encoder", dtype, device, index)
+        self.tokenizer = load_component(folder, "tokenizer", dtype, device, index)
+        self.scheduler = load_component(folder, "scheduler", dtype, device, index)
+        self.processor = load_component(folder, "processor", dtype, device, index) if "processor" in index else None
+        if self.transformer.config.guidance_embeds:
+            raise ModelLoadError("guidance-distilled Qwen-Image transformers (guidance_embeds) are not supported")
+        self.vae_scale = 2 ** len(self.vae.temperal_downsample)
+        self.multiple = self.vae_scale * 2          # pixels per packed latent token side
+        self.latent_channels = self.transformer.config.in_channels // 4
+        self.default_size = 128 * self.vae_scale
+        self.runner = QwenImageRunner(self.transformer)
+
+    # ---- 0. request defaults ---------------------------------------------------------------
+    def resolve(self, params: DiffusionParams, num_images: int) -> DiffusionParams:
+        if num_images:
+            raise InvalidRequestError("this model generates from text only; use an edit model "
+                                      "for input images", param="image")
+        if params.num_frames is not None:
+            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
+        return self._resolve_size(params)
+
+    def _resolve_size(self, params: DiffusionParams) -> DiffusionParams:
+        import msgspec
+
+        h, w = params.height or self.default_size, params.width or self.default_size
+        if h % self.multiple or w % self.multiple:
+            raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "
+                                      f"{self.multiple} for this model", param="size")
+        return msgspec.structs.replace(
+            params, height=h, width=w,
+            num_inference_steps=params.num_inference_steps or self.default_steps,
+            true_cfg_scale=self.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale)
+
+    # ---- 1. encode prompt ------------------------------------------------------------------
+    def _embed(self, text: str) -> torch.Tensor:
+        """(T, D): the text encoder's last hidden states of the templated prompt, template dropped."""
+        tok = self.tokenizer([PROMPT_TEMPLATE.format(text)], max_length=TOKENIZER_MAX + TEMPLATE_DROP,
+                             truncation=True, return_tensors="pt").to(self.device)
+        out = self.text_encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
+                                output_hidden_states=True)
+        return out.hidden_states[-1][0, TEMPLATE_DROP:][:MAX_SEQUENCE_LENGTH].to(self.dtype)
+
+    def encode(self, request: DiffusionRequest) -> QwenCond:
+        p = request.params
+        cfg = p.true_cfg_scale > 1 and p.negative_prompt is not None
+        h, w = p.height // self.multiple, p.width // self.multiple
+        return QwenCond(self._embed(request.prompt), self._embed(p.negative_prompt) if cfg else None,
+                        p.true_cfg_scale, ((1, h, w),))
+
+    # ---- 2. prepare latents ----------------------------------------------------------------
+    def prepare(self, request: DiffusionRequest, cond: QwenCond) -> list[DenoiseJob]:
+        p = request.params
+        h, w = 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
+        noise = seeded_noise((p.n, 1, self.latent_channels, h, w), p.seed, self.device, self.dtype)
+        packed = pack(noise[:, 0])                                        # (n, L, 4C)
+        mu = resolution_shift(packed.shape[1], self.scheduler.config)
+        key = (cond.img_shapes, cond.neg_embeds is not None)
+        jobs = []
+        for i in range(p.n):
+            sched, timesteps = job_scheduler(self.scheduler, p.num_inference_steps, self.device, mu=mu)
+            cache = StepCache.for_request(p.cache, p.cache_threshold, len(timesteps))
+            jobs.append(DenoiseJob(request.request_id, i, packed[i:i + 1], sched, timesteps, cond, key,
+                                   cache=cache))
+        return jobs
+
+    # ---- 3. one batched forward --------------------------------------------------------------
+    def predict(self, jobs: list[DenoiseJob]) -> list[torch.Tensor]:
+        rows_x, rows_txt, rows_t, owners = [], [], [], []
+        for j, job in enumerate(jobs):
+            c: QwenCond = job.cond
+            x = job.latents if c.image_latents is None else torch.cat([job.latents, c.image_latents], 1)
+            for embeds in (c.embeds, c.neg_embeds):
+                if embeds is None:
+                    continue
+                rows_x.append(x)
+                rows_txt.append(embeds)
+                rows_t.append(job.t)
+                owners.append(j)
+        x = torch.cat(rows_x)                                              # (R, L(+L_in), 4C)
+        txt, mask = pad_rows(rows_txt)                                     # (R, T, D), (R, T) | None
+        t = (torch.stack(rows_t).to(x.dtype) / 1000)                       # (R,)
+        img_shapes = [list(jobs[0].cond.img_shapes)] * len(rows_x)
+        out = self.runner(x, txt, mask, t, img_shapes, jobs, owners)       # (R, L(+L_in), 4C)
+        out = out[:, : jobs[0].latents.shape[1]]
+        preds, r = [], 0
+        for job in jobs:
+            if job.cond.neg_embeds is None:
+                preds.append(out[r:r + 1])
+                r += 1
+                continue
+            cond, neg = out[r:r + 1], out[r + 1:r + 2]
+            r += 2
+            comb = neg + job.cond.cfg_scale * (cond - neg)
+            # keep the conditional prediction's norm per token (Qwen-Image's true CFG)
+            preds.append(comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)))
+        return preds
+
+    # ---- 4. decode --------------------------------------------------------------------------
+    def decode(self, job: DenoiseJob) -> np.ndarray:
+        h, w = job.cond.img_shapes[0][1:]
+        lat = unpack(job.latents, h, w).unsqueeze(2).to(self.vae.dtype)   # (1, C, 1, 2h, 2w)
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        image = self.vae.decode(lat * std + mean, return_dict=False)[0][:, :, 0]   # (1, 3, H, W) in [-1, 1]
+        return to_pixels(image[0])
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): 2x2 patches as tokens, channel-major within a patch."""
+    b, c, h, w = latents.shape
+    x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h * w, 4C) -> (B, C, 2h, 2w); h, w count packed tokens."""
+    b, _, c4 = tokens.shape
+    x = tokens.view(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, 2 * h, 2 * w)
+
+
+def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad (T_i, D) rows to (R, T, D); the bool mask is None when no row is padded."""
+    longest = max(r.shape[0] for r in rows)
+    if all(r.shape[0] == longest for r in rows):
+        return torch.stack(rows), None
+    out = rows[0].new_zeros(len(rows), longest, rows[0].shape[1])
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = True
+    return out, mask
+
+
+def to_pixels(image: torch.Tensor) -> np.ndarray:
+    """(3, H, W) in [-1, 1] -> float32 (H, W, 3) in [0, 1], as diffusers' postprocess("np")."""
+    return (image / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).float().cpu().numpy()

@@ -1,0 +1,78 @@
+"""The contract between the diffusion stage (our serving loop) and one model family.
+
+A family wraps a diffusers-format folder's components (transformer, VAE, scheduler, text
+encoder, tokenizer: diffusers/transformers classes, used as dependencies) and exposes the
+numbered stages of a diffusers pipeline, cut so that the denoising loop can run across
+requests:
+
+    1. encode(request)          prompt (and input image) conditioning, once per request
+    2. prepare(request, cond)   initial noise + this request's own scheduler -> DenoiseJobs
+    3. predict(jobs)            ONE transformer forward for jobs of equal `key`, both CFG
+                                halves inside the batch -> the guided output per job
+       (the stage then calls each job's scheduler.step: steps are per job)
+    4. decode(job)              VAE decode + postprocess -> float32 pixels in [0, 1]
+
+Seeds follow diffusers: a request's noise is drawn for all its n samples at once from
+`torch.Generator("cpu").manual_seed(seed)`, so a request's images do not depend on what else
+shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Protocol
+
+import numpy as np
+import torch
+
+from omnistage.diffusion.messages import DiffusionRequest
+from omnistage.diffusion.params import DiffusionParams
+
+
+@dataclass
+class DenoiseJob:
+    """One output (image or video) being denoised; a request with n=2 has two jobs."""
+
+    request_id: str
+    index: int                      # sample index within the request
+    latents: torch.Tensor           # (1, ...) in the family's latent layout
+    scheduler: Any                  # this job's own scheduler instance (holds its step index)
+    timesteps: torch.Tensor         # (num_steps,) as the scheduler set them
+    cond: Any                       # the family's conditioning for this job
+    key: Hashable                   # jobs with equal keys can share one transformer forward
+    step: int = 0                   # steps done
+    cache: Any = None               # step-cache state (omnistage.diffusion.cache), or None
+    extra: dict[str, Any] = field(default_factory=dict)   # family-private per-job state
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    @property
+    def t(self) -> torch.Tensor:
+        return self.timesteps[self.step]
+
+
+class DiffusionFamily(Protocol):
+    name: str
+    is_video: bool
+
+    def resolve(self, params: DiffusionParams, num_images: int) -> DiffusionParams:
+        """Fill the model's defaults and check what only the model knows (size multiples,
+        frame counts, how many input images it takes); raise InvalidRequestError."""
+
+    def encode(self, request: DiffusionRequest) -> Any:
+        """Conditioning for the request (prompt embeddings, negative ones, image latents)."""
+
+    def prepare(self, request: DiffusionRequest, cond: Any) -> list[DenoiseJob]:
+        """Initial noise and schedule: one job per sample."""
+
+    def predict(self, jobs: list[DenoiseJob]) -> list[torch.Tensor]:
+        """One batched forward at each job's current timestep -> what its scheduler steps with."""
+
+    def decode(self, job: DenoiseJob) -> np.ndarray:
+        """float32 pixels in [0, 1]: (H, W, 3) for an image, (F, H, W, 3) for a video."""

@@ -1,0 +1,32 @@
+"""What crosses the diffusion stage's edges (msgspec Structs: they travel to stage processes)."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from omnistage.diffusion.params import DiffusionParams
+
+
+class DiffusionRequest(msgspec.Struct):
+    """A whole image/video request, as the stage receives it."""
+
+    request_id: str
+    prompt: str
+    params: DiffusionParams            # resolved: every default filled in, seed chosen
+    images: list[np.ndarray] = []      # input images, uint8 (H, W, 3) RGB (edit / image-to-video)
+    mask: np.ndarray | None = None     # uint8 (H, W): where an edit may change the image
+
+
+class DiffusionProgress(msgspec.Struct):
+    """Denoising progress of a request (steps of its slowest sample)."""
+
+    step: int
+    total: int
+
+
+class DiffusionResult(msgspec.Struct):
+    """The finished outputs: float32 pixels in [0, 1]; (H, W, 3) images or (F, H, W, 3) videos."""
+
+    outputs: list[np.ndarray]
+    seed: int

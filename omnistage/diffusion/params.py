@@ -1,0 +1,83 @@
+"""What one image/video request asks for, and the limits a server puts on it.
+
+`DiffusionParams` plays the role SamplingParams plays for text: `Omni.generate(prompt,
+DiffusionParams(...))`. Fields left None take the model's defaults (the family fills them in
+`resolve`); `check` turns every client mistake into an InvalidRequestError naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from omnistage.errors import InvalidRequestError
+
+CACHE_KINDS = ("none", "teacache", "fbcache")
+
+
+class DiffusionParams(msgspec.Struct, kw_only=True):
+    negative_prompt: str | None = None
+    height: int | None = None             # pixels; None: the model's default size
+    width: int | None = None
+    num_frames: int | None = None         # video models only
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None   # CFG (Z-Image, Wan) or distilled guidance input
+    true_cfg_scale: float | None = None   # Qwen-Image's true CFG (with a negative prompt)
+    seed: int | None = None               # None: a random seed, reported back
+    n: int = 1                            # images per prompt (share the prompt, not the noise)
+    cache: str | None = None              # step cache: "none" | "teacache" | "fbcache"; None: server default
+    cache_threshold: float | None = None  # the cache's threshold; None: its default
+    fps: int = 16                         # video output frame rate (MP4 container)
+
+    def check(self, limits: "DiffusionLimits") -> None:
+        def bad(msg: str, param: str):
+            raise InvalidRequestError(msg, param=param)
+
+        if not 1 <= self.n <= limits.max_n:
+            bad(f"n must be between 1 and {limits.max_n}, got {self.n}", "n")
+        steps = self.num_inference_steps
+        if steps is not None and not 1 <= steps <= limits.max_steps:
+            bad(f"num_inference_steps must be between 1 and {limits.max_steps}, got {steps}",
+                "num_inference_steps")
+        for name in ("height", "width"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                bad(f"{name} must be a positive number of pixels, got {v}", "size")
+        if self.height and self.width and self.height * self.width > limits.max_pixels:
+            bad(f"{self.width}x{self.height} is more than the server's limit of "
+                f"{limits.max_pixels} pixels per image; ask for a smaller size", "size")
+        if self.num_frames is not None and not 1 <= self.num_frames <= limits.max_frames:
+            bad(f"num_frames must be between 1 and {limits.max_frames}, got {self.num_frames}",
+                "num_frames")
+        for name in ("guidance_scale", "true_cfg_scale"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 100:
+                bad(f"{name} must be between 0 and 100, got {v}", name)
+        if self.cache is not None and self.cache not in CACHE_KINDS:
+            bad(f"cache must be one of {list(CACHE_KINDS)}, got {self.cache!r}", "cache")
+        if self.cache_threshold is not None and not 0 <= self.cache_threshold <= 10:
+            bad(f"cache_threshold must be between 0 and 10, got {self.cache_threshold}",
+                "cache_threshold")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad(f"seed must be between 0 and 2**63-1, got {self.seed}", "seed")
+        if not 1 <= self.fps <= 120:
+            bad(f"fps must be between 1 and 120, got {self.fps}", "fps")
+
+
+@dataclass(frozen=True)
+class DiffusionLimits:
+    """Per-request bounds (server flags); requests above them get a 400."""
+
+    max_pixels: int = 1024 * 1024      # height * width of one output image / frame
+    max_n: int = 4                     # images per request
+    max_steps: int = 100               # denoising steps
+    max_frames: int = 81               # video frames
+    max_input_images: int = 4          # edit inputs
+    max_input_pixels: int = 4096 * 4096  # each uploaded image, checked while decoding
+
+    def __post_init__(self) -> None:
+        for name in ("max_pixels", "max_n", "max_steps", "max_frames", "max_input_images",
+                     "max_input_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DiffusionLimits.{name} must be >= 1")

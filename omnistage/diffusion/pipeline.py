@@ -1,0 +1,169 @@
+"""DiffusionPipeline: the engine behind Omni / AsyncOmni / the server for diffusers-format
+folders. It checks and resolves a request (defaults, size multiples, seed), then runs it on a
+one-stage StageGraph (`recipe.py`), which a deploy config may place in another process."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from PIL import Image
+
+from omnistage.config import EngineConfig
+from omnistage.diffusion.messages import DiffusionRequest
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.diffusion.recipe import (DiffusionSettings, build_family, build_router, build_stage,
+                                        pipeline_class, stage_names)
+from omnistage.errors import InvalidRequestError
+from omnistage.graph import StageGraph
+from omnistage.stages.remote import wait_all_started
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DiffusionPrompt:
+    """A checked prompt: text plus decoded input images (uint8 RGB)."""
+
+    text: str
+    images: list[np.ndarray] = field(default_factory=list)
+    mask: np.ndarray | None = None
+    token_ids: list[int] = field(default_factory=list)   # (the text APIs' field; empty here)
+
+
+class DiffusionPipeline:
+    tokenizer = None
+    audio_output = False
+
+    def __init__(self, config: EngineConfig, settings: DiffusionSettings | None = None, placement=None):
+        self.config, self.settings = config, settings or DiffusionSettings()
+        self.pipeline_class = pipeline_class(config.model)
+        place = placement or (lambda name, build: build())
+        stages = [place(name, lambda name=name: build_stage(name, config, self.settings))
+                  for name in stage_names(config.model, self.settings)]
+        wait_all_started(stages)
+        self.graph = StageGraph(stages, build_router(config, self.settings))
+        self.family = _local_family(stages) or _light_family(config)
+        log.info("%s ready (%s)", self.pipeline_class, Path(config.model).name)
+
+    @property
+    def is_video(self) -> bool:
+        return self.family.is_video
+
+    # ---- requests -------------------------------------------------------------------------
+    def prepare(self, prompt: Any) -> DiffusionPrompt:
+        """A string, or {"prompt": str, "image": one or a list of PIL images / uint8 arrays /
+        encoded bytes, "mask": the same}."""
+        if isinstance(prompt, str):
+            text, images, mask = prompt, [], None
+        elif isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "image", "images", "mask"}
+            if unknown:
+                raise InvalidRequestError(f"unknown prompt keys {sorted(unknown)}; use prompt, image, mask",
+                                          param="prompt")
+            text = prompt.get("prompt")
+            raw = prompt.get("image", prompt.get("images")) or []
+            images = [self._image(x, "image") for x in (raw if isinstance(raw, (list, tuple)) else [raw])]
+            mask = self._image(prompt["mask"], "mask")[..., 0] if prompt.get("mask") is not None else None
+        else:
+            raise InvalidRequestError(f"an image prompt is a string or a dict, got {type(prompt).__name__}",
+                                      param="prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
+        lim = self.settings.limits
+        if len(images) > lim.max_input_images:
+            raise InvalidRequestError(f"at most {lim.max_input_images} input images per request, "
+                                      f"got {len(images)}", param="image")
+        if mask is not None and (not images or mask.shape != images[0].shape[:2]):
+            raise InvalidRequestError("mask must have the size of the (first) input image", param="mask")
+        return DiffusionPrompt(text, images, mask)
+
+    def _image(self, x, param: str) -> np.ndarray:
+        from omnistage.media.image import decode_image
+
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            x = decode_image(x, max_pixels=self.settings.limits.max_input_pixels, param=param)
+        if isinstance(x, Image.Image):
+            x = np.asarray(x.convert("RGB"))
+        if not (isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3):
+            raise InvalidRequestError(f"{param} must be a PIL image, encoded image bytes or a uint8 "
+                                      "(H, W, 3) array", param=param)
+        if x.shape[0] * x.shape[1] > self.settings.limits.max_input_pixels:
+            raise InvalidRequestError(f"{param} has more than {self.settings.limits.max_input_pixels} pixels",
+                                      param=param)
+        return np.ascontiguousarray(x)
+
+    def resolve(self, prompt: DiffusionPrompt, params: DiffusionParams | None) -> DiffusionParams:
+        """Defaults filled, limits checked, seed chosen: what the request will run with."""
+        params = params or DiffusionParams()
+        if not isinstance(params, DiffusionParams):
+            raise InvalidRequestError("image and video models take DiffusionParams, not "
+                                      f"{type(params).__name__}", param="sampling_params")
+        params.check(self.settings.limits)
+        params = self.family.resolve(params, len(prompt.images))
+        params.check(self.settings.limits)          # again, with the model's defaults
+        updates = {}
+        if params.seed is None:
+            updates["seed"] = secrets.randbelow(2**63)
+        if params.cache is None:
+            updates["cache"] = self.settings.default_cache
+        return msgspec.structs.replace(params, **updates) if updates else params
+
+    def add_request(self, request_id: str, prompt: DiffusionPrompt, params: DiffusionParams | None) -> None:
+        resolved = self.resolve(prompt, params)
+        self.graph.add_request(request_id, DiffusionRequest(request_id, prompt.text, resolved,
+                                                            prompt.images, prompt.mask))
+
+    # ---- the engine interface ------------------------------------------------------------
+    @property
+    def requests(self):
+        return self.graph.requests
+
+    def step(self):
+        return self.graph.step()
+
+    def abort_request(self, request_id: str):
+        return self.graph.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.graph.has_unfinished_requests()
+
+    @property
+    def num_aborted_requests(self) -> int:
+        return self.graph.num_aborted_requests
+
+    def num_waiting_requests(self) -> int:
+        return max(0, len(self.graph.requests) - self.settings.stage.max_batch)
+
+    def close(self) -> None:
+        self.graph.close()
+
+    def health(self) -> str | None:
+        return self.graph.health()
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        return [("omnistage_requests_in_engine", "gauge", "requests in the stage graph",
+                 len(self.graph.requests)),
+                ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
+                 self.graph.num_aborted_requests)] + self.graph.metrics()
+
+
+def _local_family(stages):
+    from omnistage.diffusion.stage import DiffusionStage
+
+    for s in stages:
+        if isinstance(s, DiffusionStage):
+            return s.family
+    return None
+
+
+def _light_family(config: EngineConfig):
+    """The stage runs elsewhere: this process still resolves requests, which needs the model's
+    configs (sizes, defaults) but not its weights... the families load components, so load it
+    here too (small models) until families split their request rules from their weights."""
+    return build_family(config)

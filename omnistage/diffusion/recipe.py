@@ -1,0 +1,104 @@
+"""The diffusion models' recipe: one stage ("diffusion": encode, denoise, decode) and its edge
+to the client. The same interface as the omni recipes (stage_names / build_stage /
+build_router / MESSAGE_TYPES), so deploy configs place it in a process or a Ray actor too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.diffusion.components import read_model_index
+from omnistage.diffusion.families import FAMILIES, family_class
+from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
+from omnistage.diffusion.params import DiffusionLimits, DiffusionParams
+from omnistage.diffusion.stage import DiffusionStage, DiffusionStageSettings
+from omnistage.errors import UnsupportedArchitectureError
+from omnistage.graph import CLIENT, Edge
+from omnistage.outputs import Delta
+from omnistage.stages.base import StageOutput
+
+STAGE = "diffusion"
+
+
+@dataclass(frozen=True)
+class DiffusionSettings:
+    limits: DiffusionLimits = field(default_factory=DiffusionLimits)
+    stage: DiffusionStageSettings = field(default_factory=DiffusionStageSettings)
+    default_cache: str = "none"            # step cache for requests that do not choose one
+    vae_tiling_pixels: int = 1024 * 1024   # decode tiled above this many output pixels
+
+
+def pipeline_class(model_dir: str | Path) -> str:
+    name = read_model_index(model_dir)["_class_name"]
+    if name not in FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"diffusers pipeline {name!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+    return name
+
+
+def stage_names(model_dir: str | Path, settings: DiffusionSettings) -> list[str]:
+    return [STAGE]
+
+
+def model_dtype(config: EngineConfig) -> torch.dtype:
+    return config.torch_dtype(None)
+
+
+def build_family(config: EngineConfig):
+    return family_class(pipeline_class(config.model))(config.model, config.torch_device, model_dtype(config))
+
+
+def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) -> DiffusionStage:
+    if name != STAGE:
+        raise ValueError(f"diffusion models have one stage, {STAGE!r}, not {name!r}")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    family = build_family(config)
+    if hasattr(family, "enable_tiling_above"):
+        family.enable_tiling_above(settings.vae_tiling_pixels)
+    return DiffusionStage(name, family, settings.stage)
+
+
+class DiffusionRouter:
+    def __init__(self):
+        self.edges = [Edge(STAGE, CLIENT)]
+        self._live: set[str] = set()
+
+    def unfinished(self) -> set[str]:
+        return set(self._live)
+
+    def forget(self, request_id: str) -> None:
+        self._live.discard(request_id)
+
+    def start(self, req: DiffusionRequest) -> list[tuple[str, object]]:
+        self._live.add(req.request_id)
+        return [(STAGE, req)]
+
+    def route(self, out: StageOutput) -> list[tuple[str, object]]:
+        if out.request_id not in self._live:
+            return []
+        p = out.payload
+        if isinstance(p, DiffusionProgress):
+            return [(CLIENT, Delta(out.request_id, 0, "", [], progress=(p.step, p.total)))]
+        assert isinstance(p, DiffusionResult)
+        return [(CLIENT, Delta(out.request_id, 0, "", [], finished=True, finish_reason="stop",
+                               images=p.outputs, seed=p.seed))]
+
+
+def build_router(config: EngineConfig, settings: DiffusionSettings) -> DiffusionRouter:
+    return DiffusionRouter()
+
+
+SETTINGS = DiffusionSettings
+
+
+def build_pipeline(config: EngineConfig, settings: DiffusionSettings, placement=None):
+    from omnistage.diffusion.pipeline import DiffusionPipeline
+
+    return DiffusionPipeline(config, settings, placement)
+
+
+MESSAGE_TYPES = [DiffusionRequest, DiffusionProgress, DiffusionResult, DiffusionParams]

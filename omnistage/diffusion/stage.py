@@ -1,0 +1,140 @@
+"""DiffusionStage: denoising steps batched across requests.
+
+Each `step()`:
+  1. admits up to `admit_per_step` new requests (encode prompt, draw noise, set schedule);
+  2. picks the compatible group (equal job `key`: same latent shape and model expert) whose
+     oldest job has waited longest, up to `max_batch` jobs, and runs ONE transformer forward for
+     it (classifier-free guidance's two halves ride in the same batch);
+  3. steps each job's own scheduler, reports progress, and decodes the jobs that finished.
+New requests therefore join between steps, and requests of other sizes take turns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.diffusion.family import DenoiseJob, DiffusionFamily
+from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import StageFailure, StageOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiffusionStageSettings:
+    max_batch: int = 8          # jobs per transformer forward (x2 rows with CFG)
+    admit_per_step: int = 2     # new requests encoded per step (bounds the stall of running ones)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.admit_per_step < 1:
+            raise ValueError("max_batch and admit_per_step must be >= 1")
+
+
+@dataclass
+class _Running:
+    request: DiffusionRequest
+    jobs: list[DenoiseJob]
+    outputs: dict[int, object]     # sample index -> decoded pixels
+    reported: int = -1             # last progress step sent
+
+
+class DiffusionStage:
+    def __init__(self, name: str, family: DiffusionFamily,
+                 settings: DiffusionStageSettings = DiffusionStageSettings()):
+        self.name, self.family, self.settings = name, family, settings
+        self.dead: str | None = None
+        self._pending: OrderedDict[str, DiffusionRequest] = OrderedDict()
+        self._running: OrderedDict[str, _Running] = OrderedDict()
+        self._waited: dict[int, int] = {}   # id(job) -> the step counter when it last ran
+        self._clock = 0
+        self.last_batch_jobs = 0
+
+    # ---- Stage protocol ------------------------------------------------------------------
+    def add(self, message: DiffusionRequest) -> None:
+        self._pending[message.request_id] = message
+
+    def abort(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        run = self._running.pop(request_id, None)
+        if run is not None:
+            for job in run.jobs:
+                self._waited.pop(id(job), None)
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def num_requests(self) -> int:
+        return len(self._pending) + len(self._running)
+
+    def num_jobs(self) -> int:
+        """Samples being denoised (the tests count them after abort)."""
+        return sum(len(r.jobs) for r in self._running.values())
+
+    def close(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def step(self) -> list[StageOutput]:
+        self._clock += 1
+        outs: list[StageOutput] = []
+        for _ in range(min(self.settings.admit_per_step, len(self._pending))):
+            rid, req = self._pending.popitem(last=False)
+            outs += self._admit(req)
+        batch = self._pick()
+        self.last_batch_jobs = len(batch)
+        if batch:
+            preds = self.family.predict(batch)
+            for job, pred in zip(batch, preds):
+                job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
+                job.step += 1
+                self._waited[id(job)] = self._clock
+            outs += self._progress_and_finish({j.request_id for j in batch})
+        return outs
+
+    # ---- internals -----------------------------------------------------------------------
+    def _admit(self, req: DiffusionRequest) -> list[StageOutput]:
+        try:
+            cond = self.family.encode(req)
+            jobs = self.family.prepare(req, cond)
+        except InvalidRequestError as e:
+            return [StageOutput(self.name, req.request_id, StageFailure(req.request_id, str(e)), True)]
+        for job in jobs:
+            self._waited[id(job)] = self._clock
+        self._running[req.request_id] = _Running(req, jobs, {})
+        return self._progress_and_finish({req.request_id})   # 0-step requests finish here
+
+    def _pick(self) -> list[DenoiseJob]:
+        jobs = [j for r in self._running.values() for j in r.jobs if not j.done]
+        if not jobs:
+            return []
+        oldest = min(jobs, key=lambda j: self._waited[id(j)])
+        group = [j for j in jobs if j.key == oldest.key]
+        group.sort(key=lambda j: self._waited[id(j)])
+        return group[: self.settings.max_batch]
+
+    def _progress_and_finish(self, rids: set[str]) -> list[StageOutput]:
+        outs: list[StageOutput] = []
+        for rid in rids:
+            run = self._running.get(rid)
+            if run is None:
+                continue
+            for job in run.jobs:
+                if job.done and job.index not in run.outputs:
+                    run.outputs[job.index] = self.family.decode(job)
+                    self._waited.pop(id(job), None)
+            if len(run.outputs) == len(run.jobs):
+                del self._running[rid]
+                images = [run.outputs[i] for i in sorted(run.outputs)]
+                outs.append(StageOutput(self.name, rid, DiffusionResult(images, run.request.params.seed), True))
+                continue
+            done = min(j.step for j in run.jobs)
+            if done != run.reported:
+                run.reported = done
+                total = run.jobs[0].num_steps
+                outs.append(StageOutput(self.name, rid, DiffusionProgress(done, total)))
+        return outs
