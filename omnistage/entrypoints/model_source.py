@@ -29,7 +29,7 @@ def resolve_model(model: str) -> str:
 def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
     """The cached folder of a tiny random checkpoint, built there on first use."""
     out = cache_dir() / "tiny" / f"{arch}-{size}-seed{seed}"
-    if not (out / "config.json").is_file():
+    if not _built(out):
         # Imported only to build: the builders import transformers' modeling code (seconds).
         from omnistage.tiny import build_tiny
 
@@ -38,7 +38,12 @@ def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
         try:
             tmp.rename(out)  # atomic: a half-built folder is never picked up
         except OSError:
-            if not (out / "config.json").is_file():
+            if not _built(out):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
     return out
+
+
+def _built(folder: Path) -> bool:
+    """An HF model folder (config.json) or a diffusers one (model_index.json)."""
+    return (folder / "config.json").is_file() or (folder / "model_index.json").is_file()

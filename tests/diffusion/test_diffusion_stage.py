@@ -1,0 +1,112 @@
+"""The diffusion stage's serving loop: requests join between steps, progress, abort frees
+everything, the step cache is per request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnistage import Omni
+from omnistage.diffusion.cache import StepCache
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.entrypoints.model_source import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def omni():
+    with Omni(str(tiny_checkpoint("qwen_image"))) as o:
+        yield o
+
+
+def stage_of(omni):
+    return omni.engine.graph.stages["diffusion"]
+
+
+def submit(omni, rid, prompt, **kw):
+    eng = omni.engine
+    eng.add_request(rid, eng.prepare(prompt), DiffusionParams(height=32, width=32, **kw))
+
+
+def drain(engine):
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    return deltas
+
+
+def test_requests_join_between_steps_and_report_progress(omni):
+    eng, stage = omni.engine, stage_of(omni)
+    submit(omni, "a", "a cat", num_inference_steps=6, seed=1)
+    eng.step()                         # admits a (and steps it)
+    eng.step()
+    submit(omni, "b", "a dog", num_inference_steps=3, seed=2)
+    batches = []
+    deltas = []
+    while eng.has_unfinished_requests():
+        deltas += eng.step()
+        batches.append(stage.last_batch_jobs)
+    assert 2 in batches                # b joined a's batch mid-run
+    prog = {rid: [d.progress for d in deltas if d.request_id == rid and d.progress] for rid in "ab"}
+    assert prog["b"][-1] == (2, 3)     # the last progress before the result
+    assert [s for s, _ in prog["b"]] == sorted(s for s, _ in prog["b"])
+    done = {d.request_id: d for d in deltas if d.finished}
+    assert set(done) == {"a", "b"} and done["a"].images[0].shape == (32, 32, 3)
+    # joining mid-run changed nothing: b equals b alone
+    alone = omni.generate("a dog", DiffusionParams(height=32, width=32, num_inference_steps=3, seed=2))[0]
+    assert np.abs(alone.pixels[0] - done["b"].images[0]).max() <= 1e-5
+
+
+def test_abort_frees_jobs(omni):
+    eng, stage = omni.engine, stage_of(omni)
+    submit(omni, "x", "a cat", num_inference_steps=20, seed=3, n=2)
+    submit(omni, "y", "a cat", num_inference_steps=20, seed=4)
+    eng.step()
+    eng.step()
+    assert stage.num_jobs() == 3
+    eng.abort_request("x")
+    assert stage.num_jobs() == 1
+    eng.abort_request("y")
+    assert stage.num_jobs() == 0 and stage.num_requests() == 0 and not eng.requests
+    submit(omni, "z", "queued only", num_inference_steps=2, seed=5)
+    eng.abort_request("z")             # aborted before it was admitted
+    assert stage.num_requests() == 0 and not eng.has_unfinished_requests()
+
+
+def test_stream_break_aborts(omni):
+    stage = stage_of(omni)
+    for d in omni.stream("a cat", DiffusionParams(height=32, width=32, num_inference_steps=10, seed=1)):
+        if d.progress and d.progress[0] >= 2:
+            break
+    assert stage.num_jobs() == 0 and not omni.engine.requests
+
+
+def test_step_cache_is_per_request(omni):
+    base = dict(height=32, width=32, num_inference_steps=8, seed=11)
+    plain = omni.generate("a cat", DiffusionParams(**base))[0].pixels[0]
+    # threshold 0 never skips: identical to no cache
+    for kind in ("teacache", "fbcache"):
+        same = omni.generate("a cat", DiffusionParams(**base, cache=kind, cache_threshold=0.0))[0].pixels[0]
+        assert np.abs(same - plain).max() <= 1e-5
+    # a huge threshold skips every middle step; batched with an uncached request, which stays exact
+    stage = stage_of(omni)
+    cached, other = omni.generate(["a cat", "a cat"], [
+        DiffusionParams(**base, cache="fbcache", cache_threshold=10.0),
+        DiffusionParams(**base)])
+    assert np.abs(other.pixels[0] - plain).max() <= 1e-5
+    assert np.abs(cached.pixels[0] - plain).max() > 1e-4     # the cache did skip work
+    assert stage.num_jobs() == 0
+
+
+def test_step_cache_state_machine():
+    import torch
+
+    c = StepCache.for_request("teacache", 0.5, num_steps=5)
+    sig = torch.ones(4)
+    assert c.skip(0, sig) is False          # first step always runs
+    c.residual = torch.zeros(1)
+    assert c.skip(1, sig * 1.1) is True     # change 0.1 < 0.5
+    assert c.skip(2, sig * 1.1 * 1.5) is False   # accumulated 0.1 + 0.5 >= 0.5: runs, resets
+    assert c.skip(3, sig * 1.1 * 1.5) is True
+    assert c.skip(4, sig) is False          # last step always runs
+    assert (c.hits, c.misses) == (2, 3)
+    assert StepCache.for_request("none", None, 5) is None
