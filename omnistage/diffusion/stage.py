@@ -12,6 +12,7 @@ New requests therefore join between steps, and requests of other sizes take turn
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -53,6 +54,9 @@ class DiffusionStage:
         self._waited: dict[int, int] = {}   # id(job) -> the step counter when it last ran
         self._clock = 0
         self.last_batch_jobs = 0
+        self.cache_hits = 0          # job-steps served by a step cache (all time)
+        # seconds spent per phase (all time): where the stage's time goes
+        self.timings = {"encode": 0.0, "denoise": 0.0, "decode": 0.0}
 
     # ---- Stage protocol ------------------------------------------------------------------
     def add(self, message: DiffusionRequest) -> None:
@@ -88,21 +92,26 @@ class DiffusionStage:
         batch = self._pick()
         self.last_batch_jobs = len(batch)
         if batch:
+            t0 = time.perf_counter()
             preds = self.family.predict(batch)
             for job, pred in zip(batch, preds):
                 job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
                 job.step += 1
                 self._waited[id(job)] = self._clock
+            self.timings["denoise"] += time.perf_counter() - t0
             outs += self._progress_and_finish({j.request_id for j in batch})
         return outs
 
     # ---- internals -----------------------------------------------------------------------
     def _admit(self, req: DiffusionRequest) -> list[StageOutput]:
+        t0 = time.perf_counter()
         try:
             cond = self.family.encode(req)
             jobs = self.family.prepare(req, cond)
         except InvalidRequestError as e:
             return [StageOutput(self.name, req.request_id, StageFailure(req.request_id, str(e)), True)]
+        finally:
+            self.timings["encode"] += time.perf_counter() - t0
         for job in jobs:
             self._waited[id(job)] = self._clock
         self._running[req.request_id] = _Running(req, jobs, {})
@@ -125,8 +134,11 @@ class DiffusionStage:
                 continue
             for job in run.jobs:
                 if job.done and job.index not in run.outputs:
+                    t0 = time.perf_counter()
                     run.outputs[job.index] = self.family.decode(job)
+                    self.timings["decode"] += time.perf_counter() - t0
                     self._waited.pop(id(job), None)
+                    self.cache_hits += job.cache.hits if job.cache is not None else 0
             if len(run.outputs) == len(run.jobs):
                 del self._running[rid]
                 images = [run.outputs[i] for i in sorted(run.outputs)]

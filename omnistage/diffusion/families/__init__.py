@@ -7,6 +7,11 @@ import importlib
 
 FAMILIES = {
     "QwenImagePipeline": "omnistage.diffusion.families.qwen_image:QwenImageFamily",
+    "WanPipeline": "omnistage.diffusion.families.wan:WanFamily",
+    "WanImageToVideoPipeline": "omnistage.diffusion.families.wan:WanImageToVideoFamily",
+    "ZImagePipeline": "omnistage.diffusion.families.z_image:ZImageFamily",
+    "QwenImageEditPipeline": "omnistage.diffusion.families.qwen_image_edit:QwenImageEditFamily",
+    "QwenImageEditPlusPipeline": "omnistage.diffusion.families.qwen_image_edit:QwenImageEditPlusFamily",
 }
 
 

@@ -109,7 +109,9 @@ class QwenImageFamily:
     # ---- 2. prepare latents ----------------------------------------------------------------
     def prepare(self, request: DiffusionRequest, cond: QwenCond) -> list[DenoiseJob]:
         p = request.params
-        h, w = 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
+        # latent size from the conditioning's output shape (packed tokens x 2): equal to
+        # params.height/width // vae_scale here; edit models derive it from the input image
+        h, w = 2 * cond.img_shapes[0][1], 2 * cond.img_shapes[0][2]
         noise = seeded_noise((p.n, 1, self.latent_channels, h, w), p.seed, self.device, self.dtype)
         packed = pack(noise[:, 0])                                        # (n, L, 4C)
         mu = resolution_shift(packed.shape[1], self.scheduler.config)
