@@ -61,9 +61,10 @@ class DiffusionFamily(Protocol):
     name: str
     is_video: bool
 
-    def resolve(self, params: DiffusionParams, num_images: int) -> DiffusionParams:
+    def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
         """Fill the model's defaults and check what only the model knows (size multiples,
-        frame counts, how many input images it takes); raise InvalidRequestError."""
+        frame counts, which input images / mask it takes: `prompt` is the DiffusionPrompt,
+        .images uint8 (H, W, 3) arrays, .mask); raise InvalidRequestError."""
 
     def encode(self, request: DiffusionRequest) -> Any:
         """Conditioning for the request (prompt embeddings, negative ones, image latents)."""

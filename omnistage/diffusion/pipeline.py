@@ -67,8 +67,9 @@ class DiffusionPipeline:
                 raise InvalidRequestError(f"unknown prompt keys {sorted(unknown)}; use prompt, image, mask",
                                           param="prompt")
             text = prompt.get("prompt")
-            raw = prompt.get("image", prompt.get("images")) or []
-            images = [self._image(x, "image") for x in (raw if isinstance(raw, (list, tuple)) else [raw])]
+            raw = prompt.get("image", prompt.get("images"))
+            raw = [] if raw is None else raw if isinstance(raw, (list, tuple)) else [raw]
+            images = [self._image(x, "image") for x in raw]
             mask = self._image(prompt["mask"], "mask")[..., 0] if prompt.get("mask") is not None else None
         else:
             raise InvalidRequestError(f"an image prompt is a string or a dict, got {type(prompt).__name__}",
@@ -105,7 +106,7 @@ class DiffusionPipeline:
             raise InvalidRequestError("image and video models take DiffusionParams, not "
                                       f"{type(params).__name__}", param="sampling_params")
         params.check(self.settings.limits)
-        params = self.family.resolve(params, len(prompt.images))
+        params = self.family.resolve(params, prompt)
         params.check(self.settings.limits)          # again, with the model's defaults
         updates = {}
         if params.seed is None:

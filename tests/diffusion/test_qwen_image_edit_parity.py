@@ -17,6 +17,7 @@ from PIL import Image
 
 from omnistage import Omni
 from omnistage.diffusion.messages import DiffusionRequest
+from omnistage.diffusion.pipeline import DiffusionPrompt
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.entrypoints.model_source import tiny_checkpoint
 from omnistage.errors import InvalidRequestError, StageFailedError
@@ -128,8 +129,7 @@ def test_default_size_and_shapes_follow_the_input_images(which, edit_omni, plus_
 
     family = _family(edit_omni if which == "edit" else plus_omni)
     images = [IMG_A] if which == "edit" else [IMG_B, IMG_A]
-    resolved = family.resolve(DiffusionParams(num_inference_steps=STEPS, seed=0), len(images))
-    assert resolved.height is None and resolved.width is None
+    resolved = family.resolve(DiffusionParams(num_inference_steps=STEPS, seed=0), DiffusionPrompt("a cat", images))
     with torch.inference_mode():
         cond = family.encode(DiffusionRequest("r", "a cat", resolved, images))
     calc = (pipeline_qwenimage_edit.calculate_dimensions if which == "edit"
@@ -137,6 +137,7 @@ def test_default_size_and_shapes_follow_the_input_images(which, edit_omni, plus_
     sizes = [calc(1024 * 1024, a.shape[1] / a.shape[0])[:2] for a in images]   # (w, h) each
     w, h = sizes[0] if which == "edit" else sizes[-1]
     m = family.multiple
+    assert (resolved.height, resolved.width) == (h, w)      # filled in, so the pixel limit applies
     assert cond.img_shapes == ((1, h // m, w // m), *[(1, hh // m, ww // m) for ww, hh in sizes])
     assert cond.image_latents.shape == (1, sum(hh * ww // m // m for ww, hh in sizes), 4 * family.latent_channels)
 
@@ -161,13 +162,14 @@ def test_plus_needs_an_image(plus_omni):
 
 
 def test_a_mask_is_refused(edit_omni):
-    """Neither pipeline takes a mask: the family refuses it with an InvalidRequestError (which
-    the stage turns into this request's failure; other requests carry on)."""
+    """Neither pipeline takes a mask: the request is refused up front (a 400 on the server)."""
     mask = np.full(IMG_A.shape, 255, np.uint8)
-    request = DiffusionRequest("r", "a cat", params(0), [IMG_A], mask[..., 0])
     with pytest.raises(InvalidRequestError, match="mask") as e:
-        _family(edit_omni).encode(request)
-    assert e.value.param == "mask"
-    with pytest.raises(StageFailedError, match="mask"):
         edit_omni.generate({"prompt": "a cat", "image": [IMG_A], "mask": mask}, params(0))
+    assert e.value.param == "mask"
     assert not edit_omni.engine.requests
+
+
+def test_a_single_array_image_is_accepted(edit_omni):
+    out = edit_omni.generate({"prompt": "a cat", "image": IMG_A}, params(0, height=32, width=32))[0]
+    assert out.pixels[0].shape == (32, 32, 3)

@@ -70,8 +70,8 @@ class QwenImageFamily:
         self.runner = QwenImageRunner(self.transformer)
 
     # ---- 0. request defaults ---------------------------------------------------------------
-    def resolve(self, params: DiffusionParams, num_images: int) -> DiffusionParams:
-        if num_images:
+    def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
+        if prompt.images or prompt.mask is not None:
             raise InvalidRequestError("this model generates from text only; use an edit model "
                                       "for input images", param="image")
         if params.num_frames is not None:
@@ -81,6 +81,9 @@ class QwenImageFamily:
     def _resolve_size(self, params: DiffusionParams) -> DiffusionParams:
         import msgspec
 
+        if params.num_inference_steps == 1:
+            # Qwen-Image's scheduler (shift_terminal) divides 0 by 0 with one step: NaN images
+            raise InvalidRequestError("this model needs num_inference_steps >= 2", param="num_inference_steps")
         h, w = params.height or self.default_size, params.width or self.default_size
         if h % self.multiple or w % self.multiple:
             raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "

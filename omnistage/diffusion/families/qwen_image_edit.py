@@ -99,6 +99,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     name = "qwen_image_edit"
     max_images = 1
+    size_source = 0        # the input image whose aspect ratio sets the default output size
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
         super().__init__(folder, device, dtype)
@@ -112,7 +113,8 @@ class QwenImageEditFamily(QwenImageFamily):
         self.latent_cache = LatentCache()
 
     # ---- 0. request defaults ---------------------------------------------------------------
-    def resolve(self, params: DiffusionParams, num_images: int) -> DiffusionParams:
+    def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
+        num_images = len(prompt.images)
         if num_images == 0:
             raise InvalidRequestError("this edit model needs an input image: pass the image to edit as "
                                       "the prompt's 'image'", param="image")
@@ -121,6 +123,9 @@ class QwenImageEditFamily(QwenImageFamily):
                     if self.max_images == 1 else "")
             raise InvalidRequestError(f"this edit model takes at most {self.max_images} input image(s), "
                                       f"got {num_images}{more}", param="image")
+        if prompt.mask is not None:
+            raise InvalidRequestError(f"{self.name} models take no mask (inpainting is not supported); "
+                                      "leave 'mask' out: the instruction edits the whole image", param="mask")
         if params.num_frames is not None:
             raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         for name in ("height", "width"):
@@ -128,16 +133,16 @@ class QwenImageEditFamily(QwenImageFamily):
             if v is not None and v % self.multiple:
                 raise InvalidRequestError(f"{name} {v} must be a multiple of {self.multiple} for this "
                                           "model (or leave it out to follow the input image)", param="size")
-        # height/width left None follow the input image; encode() sees its size
+        # height/width left out follow the input image, as in the pipelines (so limits apply)
+        source = prompt.images[self.size_source]
+        width, height = calculate_dimensions(VAE_AREA, source.shape[1] / source.shape[0])
         return msgspec.structs.replace(
-            params, num_inference_steps=params.num_inference_steps or self.default_steps,
+            params, height=params.height or height, width=params.width or width,
+            num_inference_steps=params.num_inference_steps or self.default_steps,
             true_cfg_scale=self.default_true_cfg if params.true_cfg_scale is None else params.true_cfg_scale)
 
     # ---- 1. encode prompt and images --------------------------------------------------------
     def encode(self, request: DiffusionRequest) -> QwenCond:
-        if request.mask is not None:
-            raise InvalidRequestError(f"{self.name} models take no mask (inpainting is not supported); "
-                                      "leave 'mask' out: the instruction edits the whole image", param="mask")
         p = request.params
         # uint8 (H, W, 3) arrays -> RGB PIL images, what a diffusers user passes
         inputs = self.prepare_images([Image.fromarray(a) for a in request.images])
@@ -196,6 +201,7 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
 
     name = "qwen_image_edit_plus"
     max_images = 16   # (the pipeline has no limit; the server's max_input_images applies first)
+    size_source = -1  # the last image sets the default output size
 
     def prepare_images(self, images: list[Image.Image]) -> EditInputs:
         prompt_images, vae_sizes = [], []
