@@ -20,7 +20,7 @@ from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.pipeline import DiffusionPrompt
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.entrypoints.model_source import tiny_checkpoint
-from omnistage.errors import InvalidRequestError, StageFailedError
+from omnistage.errors import InvalidRequestError
 
 ATOL = 1e-4   # the bound on [0, 1] pixels; measured: ~7e-7
 SIZE, STEPS = 64, 2
