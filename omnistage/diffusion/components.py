@@ -35,7 +35,10 @@ def read_model_index(folder: str | Path) -> dict:
 
 def load_component(folder: str | Path, name: str, dtype: torch.dtype, device: torch.device,
                    index: dict | None = None) -> Any:
-    """The component `name` of the folder (None when model_index.json lists it as null)."""
+    """The component `name` of the folder (None when model_index.json lists it as null).
+
+    On the "meta" device, models are built from their configs without reading any weights:
+    a process that only checks requests (its stage runs elsewhere) needs the configs alone."""
     index = index if index is not None else read_model_index(folder)
     spec = index.get(name)
     if spec is None or spec == [None, None]:
@@ -54,8 +57,22 @@ def load_component(folder: str | Path, name: str, dtype: torch.dtype, device: to
     try:
         if name in _NO_DTYPE or cls_name.endswith(("Tokenizer", "TokenizerFast", "Processor", "Scheduler")):
             return cls.from_pretrained(sub)
+        if device.type == "meta":
+            return _config_only(cls, library, sub, dtype)
         kw = {"dtype": dtype} if library == "transformers" else {"torch_dtype": dtype}
         model = cls.from_pretrained(sub, **kw)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"cannot load component {name!r} from {sub}: {e}") from e
     return model.to(device).eval()
+
+
+def _config_only(cls, library: str, sub: Path, dtype: torch.dtype):
+    """The model class instantiated from its config on the meta device (no weights, no memory)."""
+    with torch.device("meta"):
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(sub))
+        else:
+            from transformers import AutoConfig
+
+            model = cls._from_config(AutoConfig.from_pretrained(sub), dtype=dtype)
+    return model.eval()

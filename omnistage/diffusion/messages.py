@@ -1,4 +1,5 @@
-"""What crosses the diffusion stage's edges (msgspec Structs: they travel to stage processes)."""
+"""What crosses the diffusion stage's edges (msgspec Structs: they travel to stage processes;
+every payload names its request)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class DiffusionRequest(msgspec.Struct):
 class DiffusionProgress(msgspec.Struct):
     """Denoising progress of a request (steps of its slowest sample)."""
 
+    request_id: str
     step: int
     total: int
 
@@ -28,5 +30,6 @@ class DiffusionProgress(msgspec.Struct):
 class DiffusionResult(msgspec.Struct):
     """The finished outputs: float32 pixels in [0, 1]; (H, W, 3) images or (F, H, W, 3) videos."""
 
+    request_id: str
     outputs: list[np.ndarray]
     seed: int

@@ -24,6 +24,7 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
     num_inference_steps: int | None = None
     guidance_scale: float | None = None   # CFG (Z-Image, Wan) or distilled guidance input
     true_cfg_scale: float | None = None   # Qwen-Image's true CFG (with a negative prompt)
+    guidance_scale_2: float | None = None  # Wan2.2: CFG of the low-noise expert; None: the model's
     seed: int | None = None               # None: a random seed, reported back
     n: int = 1                            # images per prompt (share the prompt, not the noise)
     cache: str | None = None              # step cache: "none" | "teacache" | "fbcache"; None: server default
@@ -50,7 +51,7 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
         if self.num_frames is not None and not 1 <= self.num_frames <= limits.max_frames:
             bad(f"num_frames must be between 1 and {limits.max_frames}, got {self.num_frames}",
                 "num_frames")
-        for name in ("guidance_scale", "true_cfg_scale"):
+        for name in ("guidance_scale", "true_cfg_scale", "guidance_scale_2"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 100:
                 bad(f"{name} must be between 0 and 100, got {v}", name)

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 import numpy as np
 from PIL import Image
 
 from omnistage.config import EngineConfig
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.recipe import (DiffusionSettings, build_family, build_router, build_stage,
+from omnistage.diffusion.recipe import (DiffusionSettings, build_router, build_stage,
                                         pipeline_class, stage_names)
 from omnistage.errors import InvalidRequestError
 from omnistage.graph import StageGraph
@@ -164,7 +165,9 @@ def _local_family(stages):
 
 
 def _light_family(config: EngineConfig):
-    """The stage runs elsewhere: this process still resolves requests, which needs the model's
-    configs (sizes, defaults) but not its weights... the families load components, so load it
-    here too (small models) until families split their request rules from their weights."""
-    return build_family(config)
+    """The stage runs elsewhere: this process still resolves requests (sizes, defaults), which
+    needs the components' configs but not their weights: build them on the meta device."""
+    from omnistage.diffusion.families import family_class
+    from omnistage.diffusion.recipe import model_dtype
+
+    return family_class(pipeline_class(config.model))(config.model, torch.device("meta"), model_dtype(config))

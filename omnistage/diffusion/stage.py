@@ -142,11 +142,11 @@ class DiffusionStage:
             if len(run.outputs) == len(run.jobs):
                 del self._running[rid]
                 images = [run.outputs[i] for i in sorted(run.outputs)]
-                outs.append(StageOutput(self.name, rid, DiffusionResult(images, run.request.params.seed), True))
+                outs.append(StageOutput(self.name, rid, DiffusionResult(rid, images, run.request.params.seed), True))
                 continue
             done = min(j.step for j in run.jobs)
             if done != run.reported:
                 run.reported = done
                 total = run.jobs[0].num_steps
-                outs.append(StageOutput(self.name, rid, DiffusionProgress(done, total)))
+                outs.append(StageOutput(self.name, rid, DiffusionProgress(rid, done, total)))
         return outs
