@@ -28,7 +28,6 @@ class DiffusionSettings:
     limits: DiffusionLimits = field(default_factory=DiffusionLimits)
     stage: DiffusionStageSettings = field(default_factory=DiffusionStageSettings)
     default_cache: str = "none"            # step cache for requests that do not choose one
-    vae_tiling_pixels: int = 1024 * 1024   # decode tiled above this many output pixels
 
 
 def pipeline_class(model_dir: str | Path) -> str:
@@ -56,10 +55,7 @@ def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) ->
         raise ValueError(f"diffusion models have one stage, {STAGE!r}, not {name!r}")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    family = build_family(config)
-    if hasattr(family, "enable_tiling_above"):
-        family.enable_tiling_above(settings.vae_tiling_pixels)
-    return DiffusionStage(name, family, settings.stage)
+    return DiffusionStage(name, build_family(config), settings.stage)
 
 
 class DiffusionRouter:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 class DiffusionStageSettings:
     max_batch: int = 8          # jobs per transformer forward (x2 rows with CFG)
     admit_per_step: int = 2     # new requests encoded per step (bounds the stall of running ones)
+    vae_tiling_pixels: int = 1024 * 1024   # outputs larger than this decode tiled (bounded memory)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.admit_per_step < 1:
@@ -117,6 +118,18 @@ class DiffusionStage:
         self._running[req.request_id] = _Running(req, jobs, {})
         return self._progress_and_finish({req.request_id})   # 0-step requests finish here
 
+    def _set_tiling(self, req: DiffusionRequest) -> None:
+        """Tiled VAE decode (diffusers' own) for large outputs only: below the threshold the
+        decode is whole, exactly as the pipelines decode by default."""
+        vae = getattr(self.family, "vae", None)
+        if vae is None or not hasattr(vae, "enable_tiling"):
+            return
+        p = req.params
+        if (p.height or 0) * (p.width or 0) > self.settings.vae_tiling_pixels:
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
+
     def _pick(self) -> list[DenoiseJob]:
         jobs = [j for r in self._running.values() for j in r.jobs if not j.done]
         if not jobs:
@@ -135,6 +148,7 @@ class DiffusionStage:
             for job in run.jobs:
                 if job.done and job.index not in run.outputs:
                     t0 = time.perf_counter()
+                    self._set_tiling(run.request)
                     run.outputs[job.index] = self.family.decode(job)
                     self.timings["decode"] += time.perf_counter() - t0
                     self._waited.pop(id(job), None)
