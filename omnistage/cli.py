@@ -75,6 +75,55 @@ def omni_options(args: argparse.Namespace) -> dict:
                                                                   bf16_dit=args.token2wav_bf16))}
 
 
+def _diffusion_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("image and video models (diffusers folders)")
+    g.add_argument("--max-image-pixels", type=int, default=1024 * 1024,
+                   help="largest width x height of a generated image or video frame; larger "
+                        "sizes get 400 (default: 1048576 = 1024x1024)")
+    g.add_argument("--max-images-per-request", type=int, default=4,
+                   help="largest n (images per request) (default: 4)")
+    g.add_argument("--max-diffusion-steps", type=int, default=100,
+                   help="largest num_inference_steps a request may ask for (default: 100)")
+    g.add_argument("--max-video-frames", type=int, default=81,
+                   help="largest number of frames of a generated video (default: 81)")
+    g.add_argument("--diffusion-cache", default="none", choices=["none", "teacache", "fbcache"],
+                   help="step cache for requests that do not choose one: reuses the transformer's "
+                        "residual on steps where its input barely changed; faster, slightly "
+                        "different images (default: none)")
+    g.add_argument("--diffusion-max-batch", type=int, default=8,
+                   help="denoising jobs (images / videos of equal shape) batched into one "
+                        "transformer forward (default: 8)")
+    g.add_argument("--max-video-jobs", type=int, default=32,
+                   help="video jobs the server remembers; beyond it the oldest finished ones "
+                        "and their MP4s are forgotten (default: 32)")
+
+
+def model_settings(args: argparse.Namespace, model_dir: str) -> dict:
+    """omni_settings and deploy_config for the model at `model_dir`: DiffusionSettings from
+    the diffusion flags for a diffusers folder (model_index.json), else the omni options."""
+    from pathlib import Path
+
+    if not (Path(model_dir) / "model_index.json").is_file():
+        return omni_options(args)
+    from omnistage.diffusion.params import DiffusionLimits
+    from omnistage.diffusion.recipe import DiffusionSettings
+    from omnistage.diffusion.stage import DiffusionStageSettings
+
+    for flag in ("max_image_pixels", "max_images_per_request", "max_diffusion_steps",
+                 "max_video_frames", "diffusion_max_batch", "max_video_jobs"):
+        if getattr(args, flag) < 1:
+            from omnistage.errors import InvalidRequestError
+
+            raise InvalidRequestError(f"--{flag.replace('_', '-')} must be >= 1, "
+                                      f"got {getattr(args, flag)}")
+    settings = DiffusionSettings(
+        limits=DiffusionLimits(max_pixels=args.max_image_pixels, max_n=args.max_images_per_request,
+                               max_steps=args.max_diffusion_steps, max_frames=args.max_video_frames),
+        stage=DiffusionStageSettings(max_batch=args.diffusion_max_batch),
+        default_cache=args.diffusion_cache)
+    return {"deploy_config": args.deploy_config, "omni_settings": settings}
+
+
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by every subcommand that loads a model (see EngineConfig)."""
     g = parser.add_argument_group("engine")
@@ -172,6 +221,7 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest fetched media file, in MiB (default: 32)")
     _engine_arguments(parser)
     _omni_arguments(parser)
+    _diffusion_arguments(parser)
 
 
 def _serve_run(args: argparse.Namespace) -> int:
@@ -180,17 +230,20 @@ def _serve_run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from omnistage import AsyncOmni
+    from omnistage.entrypoints.model_source import resolve_model
     from omnistage.server.app import ServerLimits, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncOmni(args.model, **engine_options(args), **omni_options(args))
+    model_dir = resolve_model(args.model)      # tiny:ARCH built here, once
+    engine = AsyncOmni(model_dir, **engine_options(args), **model_settings(args, model_dir))
     from omnistage.media.fetch import MediaFetchPolicy
 
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
                           max_queued_requests=args.max_queued_requests,
                           allowed_origins=tuple(args.allowed_origins),
                           media=MediaFetchPolicy(allowed_domains=tuple(args.allowed_media_domains),
-                                                 max_bytes=int(args.max_media_mb * 2**20)))
+                                                 max_bytes=int(args.max_media_mb * 2**20)),
+                          max_video_jobs=args.max_video_jobs)
     app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
     from omnistage.server.serve import DrainingServer
 
@@ -206,7 +259,7 @@ def _serve_run(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="serve a model over the OpenAI API (chat completions with audio, completions, "
-             "audio speech and transcriptions, models)",
+             "audio speech and transcriptions, models; images and videos for diffusers models)",
         add_arguments=_serve_arguments,
         run=_serve_run,
     ),

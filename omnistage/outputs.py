@@ -13,6 +13,26 @@ def to_uint8(pixels: np.ndarray) -> np.ndarray:
     return (pixels * 255).round().astype(np.uint8)
 
 
+def is_layer_stack(pixels: np.ndarray) -> bool:
+    """A layered model's sample: (L, H, W, 4) RGBA layers (a video is (F, H, W, 3))."""
+    return pixels.ndim == 4 and pixels.shape[-1] == 4
+
+
+def pil_images(pixels: list[np.ndarray]) -> list:
+    """PIL images of the samples that are pictures: an (H, W, 3) image -> one RGB image; an
+    (L, H, W, 4) layer stack -> L RGBA images (flattened: sample 0's layers, then sample 1's);
+    videos (F, H, W, 3) -> none (see OmniOutput.videos)."""
+    from PIL import Image
+
+    out = []
+    for p in pixels:
+        if p.ndim == 3:
+            out.append(Image.fromarray(to_uint8(p)))
+        elif is_layer_stack(p):
+            out += [Image.fromarray(to_uint8(layer), "RGBA") for layer in p]
+    return out
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
@@ -40,7 +60,8 @@ class Delta:
     error: str | None = None            # with finish_reason "error": what failed (not the client)
     progress: tuple[int, int] | None = None   # diffusion: (steps done, total steps)
     images: list[np.ndarray] | None = None    # diffusion: float32 pixels in [0, 1], one per sample:
-                                              # (H, W, 3) images or (F, H, W, 3) videos
+                                              # (H, W, 3) images, (F, H, W, 3) videos or
+                                              # (L, H, W, 4) RGBA layers (layered models)
     seed: int | None = None             # diffusion: the seed the request ran with
 
 
@@ -76,14 +97,20 @@ class OmniOutput:
     sample_rate: int | None = None
     images: list = field(default_factory=list)   # image models: PIL images, one per sample
     pixels: list[np.ndarray] | None = None       # image/video models: float32 [0, 1], (H, W, 3)
-                                                 # per image or (F, H, W, 3) per video
+                                                 # per image, (F, H, W, 3) per video or
+                                                 # (L, H, W, 4) RGBA layers per layered sample
     seed: int | None = None                      # image/video models: the seed used
     fps: int | None = None                       # video models: frames per second
 
     @property
     def videos(self) -> list[np.ndarray]:
         """Video models: uint8 (F, H, W, 3) frames per sample."""
-        return [to_uint8(v) for v in self.pixels or [] if v.ndim == 4]
+        return [to_uint8(v) for v in self.pixels or [] if v.ndim == 4 and not is_layer_stack(v)]
+
+    @property
+    def layers(self) -> list[list]:
+        """Layered models (Qwen-Image-Layered): per sample, its L layers as RGBA PIL images."""
+        return [pil_images([v]) for v in self.pixels or [] if is_layer_stack(v)]
 
     def mp4(self, index: int = 0) -> bytes:
         """Video models: sample `index` encoded as an H.264 MP4 at `fps`."""

@@ -42,7 +42,9 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_supported_archs() -> None:
-    assert SUPPORTED_TINY_ARCHS == ("qwen2", "qwen2_5_omni")
+    assert SUPPORTED_TINY_ARCHS[:2] == ("qwen2", "qwen2_5_omni")
+    assert {"qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "qwen_image_layered", "z_image",
+            "wan", "wan_i2v"} <= set(SUPPORTED_TINY_ARCHS)
 
 
 def test_folder_files(tiny_dir: Path) -> None:

@@ -30,6 +30,8 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
     cache: str | None = None              # step cache: "none" | "teacache" | "fbcache"; None: server default
     cache_threshold: float | None = None  # the cache's threshold; None: its default
     fps: int = 16                         # video output frame rate (MP4 container)
+    layers: int | None = None             # layered models: RGBA layers to split the image into
+    resolution: int | None = None         # layered models: size bucket (the output is ~resolution^2 pixels)
 
     def check(self, limits: "DiffusionLimits") -> None:
         def bad(msg: str, param: str):
@@ -64,6 +66,12 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
             bad(f"seed must be between 0 and 2**63-1, got {self.seed}", "seed")
         if not 1 <= self.fps <= 120:
             bad(f"fps must be between 1 and 120, got {self.fps}", "fps")
+        if self.layers is not None and not 1 <= self.layers <= limits.max_layers:
+            bad(f"layers must be between 1 and {limits.max_layers}, got {self.layers}", "layers")
+        # (which resolutions a model takes is the family's rule: Qwen-Image-Layered 640 or 1024)
+        if self.resolution is not None and not 1 <= self.resolution <= 4096:
+            bad(f"resolution must be a positive number of pixels up to 4096, got {self.resolution}",
+                "resolution")
 
 
 @dataclass(frozen=True)
@@ -76,9 +84,10 @@ class DiffusionLimits:
     max_frames: int = 81               # video frames
     max_input_images: int = 4          # edit inputs
     max_input_pixels: int = 4096 * 4096  # each uploaded image, checked while decoding
+    max_layers: int = 10               # layered models: output layers per sample (each costs a frame)
 
     def __post_init__(self) -> None:
         for name in ("max_pixels", "max_n", "max_steps", "max_frames", "max_input_images",
-                     "max_input_pixels"):
+                     "max_input_pixels", "max_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DiffusionLimits.{name} must be >= 1")

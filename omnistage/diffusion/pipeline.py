@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DiffusionPrompt:
-    """A checked prompt: text plus decoded input images (uint8 RGB)."""
+    """A checked prompt: text plus decoded input images: uint8 (H, W, 3) RGB, or (H, W, 4) RGBA
+    for families with `input_channels = 4` (Qwen-Image-Layered)."""
 
     text: str
     images: list[np.ndarray] = field(default_factory=list)
@@ -59,7 +60,12 @@ class DiffusionPipeline:
     # ---- requests -------------------------------------------------------------------------
     def prepare(self, prompt: Any) -> DiffusionPrompt:
         """A string, or {"prompt": str, "image": one or a list of PIL images / uint8 arrays /
-        encoded bytes, "mask": the same}."""
+        encoded bytes, "mask": the same}.
+
+        Family attributes read here: `input_channels` (default 3; 4 keeps an alpha channel:
+        RGB inputs get an opaque one, as PIL's convert("RGBA")) and `captions_blank_prompt`
+        (default False; True lets a blank prompt through: the family captions the image)."""
+        channels = getattr(self.family, "input_channels", 3)
         if isinstance(prompt, str):
             text, images, mask = prompt, [], None
         elif isinstance(prompt, dict):
@@ -70,12 +76,13 @@ class DiffusionPipeline:
             text = prompt.get("prompt")
             raw = prompt.get("image", prompt.get("images"))
             raw = [] if raw is None else raw if isinstance(raw, (list, tuple)) else [raw]
-            images = [self._image(x, "image") for x in raw]
+            images = [self._image(x, "image", channels) for x in raw]
             mask = self._image(prompt["mask"], "mask")[..., 0] if prompt.get("mask") is not None else None
         else:
             raise InvalidRequestError(f"an image prompt is a string or a dict, got {type(prompt).__name__}",
                                       param="prompt")
-        if not isinstance(text, str) or not text.strip():
+        blank_ok = getattr(self.family, "captions_blank_prompt", False)
+        if not isinstance(text, str) or not (text.strip() or blank_ok):
             raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
         lim = self.settings.limits
         if len(images) > lim.max_input_images:
@@ -85,16 +92,24 @@ class DiffusionPipeline:
             raise InvalidRequestError("mask must have the size of the (first) input image", param="mask")
         return DiffusionPrompt(text, images, mask)
 
-    def _image(self, x, param: str) -> np.ndarray:
+    def _image(self, x, param: str, channels: int = 3) -> np.ndarray:
+        """-> uint8 (H, W, channels): 3 = RGB, 4 = RGBA."""
         from omnistage.media.image import decode_image
 
         if isinstance(x, (bytes, bytearray, memoryview)):
-            x = decode_image(x, max_pixels=self.settings.limits.max_input_pixels, param=param)
+            rgb = decode_image(x, max_pixels=self.settings.limits.max_input_pixels, param=param)
+            # decode_image checked the bytes (format, size, integrity) but composites alpha
+            # onto white; an RGBA family needs the alpha itself, so read the checked bytes again
+            x = rgb if channels == 3 else _decode_rgba(x)
         if isinstance(x, Image.Image):
-            x = np.asarray(x.convert("RGB"))
-        if not (isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3 and x.shape[2] == 3):
+            x = np.asarray(x.convert("RGB" if channels == 3 else "RGBA"))
+        shapes = "(H, W, 3)" if channels == 3 else "(H, W, 3) or (H, W, 4)"
+        if not (isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 3
+                and x.shape[2] in ((3,) if channels == 3 else (3, 4))):
             raise InvalidRequestError(f"{param} must be a PIL image, encoded image bytes or a uint8 "
-                                      "(H, W, 3) array", param=param)
+                                      f"{shapes} array", param=param)
+        if x.shape[2] < channels:
+            x = np.concatenate([x, np.full((*x.shape[:2], 1), 255, np.uint8)], axis=2)   # opaque
         if x.shape[0] * x.shape[1] > self.settings.limits.max_input_pixels:
             raise InvalidRequestError(f"{param} has more than {self.settings.limits.max_input_pixels} pixels",
                                       param=param)
@@ -153,6 +168,17 @@ class DiffusionPipeline:
                  len(self.graph.requests)),
                 ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
                  self.graph.num_aborted_requests)] + self.graph.metrics()
+
+
+def _decode_rgba(data) -> Image.Image:
+    """Bytes that decode_image already accepted -> an RGBA PIL image (alpha kept)."""
+    import io
+
+    from omnistage.media.image import IMAGE_FORMATS
+
+    with Image.open(io.BytesIO(bytes(data)), formats=IMAGE_FORMATS) as img:
+        img.load()
+        return img.convert("RGBA")
 
 
 def _local_family(stages):

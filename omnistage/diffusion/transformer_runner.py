@@ -2,6 +2,13 @@
 split mid-stack: every row runs the first block, then only the rows whose job's step cache
 says "compute" run the rest (see omnistage/diffusion/cache.py). With no cache it is the
 plain forward of QwenImageTransformer2DModel (the parity tests hold it to diffusers).
+
+Variants it runs: the plain rope (Qwen-Image, the edits) and Qwen-Image-Layered's: its layer-3D
+rope is the transformer's own `pos_embed` module, which takes the same per-row `img_shapes`
+(output layers, then the condition image last), and its additional timestep condition
+(`use_additional_t_cond`: an embedding of a per-row class id added to the timestep embedding)
+comes in as `t_cond`. `zero_cond_t` (a second modulation for the condition-image tokens,
+Qwen-Image-Edit-2511) is refused.
 """
 
 from __future__ import annotations
@@ -15,19 +22,29 @@ class QwenImageRunner:
     def __init__(self, transformer):
         self.tr = transformer
         cfg = transformer.config
-        if getattr(cfg, "zero_cond_t", False) or getattr(cfg, "use_additional_t_cond", False):
+        if getattr(cfg, "zero_cond_t", False):
             from omnistage.errors import ModelLoadError
 
-            raise ModelLoadError("Qwen-Image transformers with zero_cond_t / additional_t_cond "
-                                 "are not supported yet")
+            raise ModelLoadError("Qwen-Image transformers with zero_cond_t are not supported yet")
+        # Layered: temb = time embedding + addition_t_embedding(t_cond)
+        self.needs_t_cond = bool(getattr(cfg, "use_additional_t_cond", False))
 
     def __call__(self, x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None,
-                 t: torch.Tensor, img_shapes: list, jobs: list[DenoiseJob], owners: list[int]) -> torch.Tensor:
+                 t: torch.Tensor, img_shapes: list, jobs: list[DenoiseJob], owners: list[int],
+                 t_cond: torch.Tensor | None = None) -> torch.Tensor:
         """x (R, L, C_in), txt (R, T, D_txt), mask (R, T) bool | None, t (R,) in [0, 1];
-        owners[r] = index into jobs of row r. -> (R, L, C_out)."""
+        owners[r] = index into jobs of row r; t_cond (R,) long, required exactly when the
+        transformer has use_additional_t_cond (Layered: 0 for every row, its RGBA input).
+        -> (R, L, C_out)."""
         tr = self.tr
+        if (t_cond is not None) != self.needs_t_cond:
+            raise ValueError("t_cond must be given exactly when the transformer has use_additional_t_cond "
+                             f"(it has {self.needs_t_cond})")
         h = tr.img_in(x)                                                   # (R, L, D)
-        temb = tr.time_text_embed(t.to(h.dtype), h)                        # (R, D)
+        if t_cond is None:
+            temb = tr.time_text_embed(t.to(h.dtype), h)                    # (R, D)
+        else:
+            temb = tr.time_text_embed(t.to(h.dtype), h, t_cond)            # (R, D)
         e = tr.txt_in(tr.txt_norm(txt))                                    # (R, T, D)
         rope = tr.pos_embed(img_shapes, max_txt_seq_len=e.shape[1], device=h.device)
         blocks = tr.transformer_blocks

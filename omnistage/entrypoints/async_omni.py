@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from omnistage.entrypoints.engines import OutputOptions, build_engine, prepare, submit
+from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
 from omnistage.entrypoints.omni import engine_config
 from omnistage.entrypoints.prompts import new_request_id
 from omnistage.errors import EngineDeadError, InvalidRequestError, StageFailedError
@@ -76,6 +76,11 @@ class AsyncOmni:
         (break, cancellation, disconnect) aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
+        diffusion = is_diffusion(self.engine)
+        if sampling_params is None and diffusion:
+            from omnistage.diffusion.params import DiffusionParams
+
+            sampling_params = DiffusionParams()
         params = sampling_params or SamplingParams()
         rid = request_id or new_request_id()
         opts = output or OutputOptions()
@@ -90,7 +95,7 @@ class AsyncOmni:
             self._streams[rid] = stream
 
         self._submit(add, stream)
-        remaining = params.n
+        remaining = 1 if diffusion else params.n   # a diffusion request's images come in one delta
         try:
             while remaining:
                 item = await stream.queue.get()

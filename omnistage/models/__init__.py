@@ -16,7 +16,8 @@ STAGE_GRAPH_ARCHITECTURES = {
     # diffusers folders (model_index.json "_class_name"): one recipe for every family
     **{name: "omnistage.diffusion.recipe" for name in (
         "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",
-        "QwenImageLayeredPipeline", "ZImagePipeline", "WanPipeline", "WanImageToVideoPipeline")},
+        "QwenImageLayeredPipeline", "ZImagePipeline", "WanPipeline", "WanImageToVideoPipeline",
+        "OvisImagePipeline", "LongCatImagePipeline", "LongCatImageEditPipeline")},
 }
 
 

@@ -30,7 +30,9 @@ from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_response
 from omnistage.server.streams import chain
 from omnistage.server.metrics import ServerMetrics
-from omnistage.entrypoints.engines import OutputOptions
+from omnistage.entrypoints.engines import OutputOptions, is_diffusion
+from omnistage.server.image_routes import add_image_routes
+from omnistage.server.video_routes import add_video_routes
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
                                      resolve_media_urls, stream_audio_delta)
@@ -44,6 +46,7 @@ class ServerLimits:
     max_queued_requests: int = 256        # admitted-but-waiting sequences before 429
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
     media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy)  # http(s) media: off by default
+    max_video_jobs: int = 32              # video jobs remembered (oldest finished ones forgotten)
 
 
 def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
@@ -104,14 +107,21 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                       "uploads, multipart/form-data) without excessive nesting")
         return error_response(exc.status_code, detail)
 
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
+                                      param="model")
+
     def check_request(name: str, max_tokens: int | None) -> None:
+        if is_diffusion(engine.engine):
+            where = "POST /v1/videos" if engine.engine.is_video else "/v1/images/generations"
+            raise InvalidRequestError(f"this model generates images or video, not text; use {where}",
+                                      param="model")
         if max_tokens is not None and max_tokens >= engine.engine.max_model_len:
             raise InvalidRequestError(
                 f"max_tokens {max_tokens} does not fit the context window of "
                 f"{engine.engine.max_model_len} tokens", param="max_tokens")
-        if name != model_name:
-            raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
-                                      param="model")
+        check_model(name)
 
     @app.get("/health")
     async def health():
@@ -145,6 +155,9 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                               body.stream_options, model_name, chat=True, output=speech)
 
     add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
+    add_image_routes(app, engine, stats, model_name, check_model)
+    app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
+                                            limits.max_video_jobs)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -11,11 +11,32 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.errors import InvalidRequestError
+from omnistage.tiny.longcat_image import LONGCAT_IMAGE, LONGCAT_IMAGE_EDIT
+from omnistage.tiny.ovis_image import OVIS_IMAGE
 from omnistage.tiny.qwen2 import QWEN2
 from omnistage.tiny.qwen2_5_omni import QWEN2_5_OMNI
+from omnistage.tiny.qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, QWEN_IMAGE_LAYERED
 from omnistage.tiny.spec import DEFAULT_MAX_SHARD_SIZE, TinyArch, TinyBuildOptions
+from omnistage.tiny.wan import WAN, WAN_I2V
+from omnistage.tiny.z_image import Z_IMAGE
 
-TINY_ARCHS: Mapping[str, TinyArch] = {arch.name: arch for arch in (QWEN2, QWEN2_5_OMNI)}
+TINY_ARCHS: Mapping[str, TinyArch] = {
+    arch.name: arch
+    for arch in (
+        QWEN2,
+        QWEN2_5_OMNI,
+        QWEN_IMAGE,
+        QWEN_IMAGE_EDIT,
+        QWEN_IMAGE_EDIT_PLUS,
+        QWEN_IMAGE_LAYERED,
+        Z_IMAGE,
+        WAN,
+        WAN_I2V,
+        OVIS_IMAGE,
+        LONGCAT_IMAGE,
+        LONGCAT_IMAGE_EDIT,
+    )
+}
 SUPPORTED_TINY_ARCHS: tuple[str, ...] = tuple(TINY_ARCHS)
 
 

@@ -128,3 +128,20 @@ def test_large_outputs_decode_tiled():
     assert tiled.shape == whole.shape == (320, 320, 3)
     diff = np.abs(tiled - whole)
     assert 0 < diff.max() < 0.5 and diff.mean() < 0.02    # tiles blend: close, not identical
+
+
+def test_async_omni_streams_progress_then_all_images():
+    import asyncio
+
+    from omnistage import AsyncOmni
+
+    async def main(engine):
+        deltas = [d async for d in engine.generate(
+            "a cat", DiffusionParams(height=32, width=32, num_inference_steps=3, seed=1, n=2))]
+        return deltas
+
+    with AsyncOmni(str(tiny_checkpoint("qwen_image"))) as engine:
+        deltas = asyncio.run(asyncio.wait_for(main(engine), 60))
+    assert [d.progress for d in deltas[:-1]] == [(0, 3), (1, 3), (2, 3)]
+    last = deltas[-1]
+    assert last.finished and len(last.images) == 2 and last.seed == 1

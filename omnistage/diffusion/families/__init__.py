@@ -12,6 +12,10 @@ FAMILIES = {
     "ZImagePipeline": "omnistage.diffusion.families.z_image:ZImageFamily",
     "QwenImageEditPipeline": "omnistage.diffusion.families.qwen_image_edit:QwenImageEditFamily",
     "QwenImageEditPlusPipeline": "omnistage.diffusion.families.qwen_image_edit:QwenImageEditPlusFamily",
+    "OvisImagePipeline": "omnistage.diffusion.families.ovis_image:OvisImageFamily",
+    "LongCatImagePipeline": "omnistage.diffusion.families.longcat_image:LongCatImageFamily",
+    "LongCatImageEditPipeline": "omnistage.diffusion.families.longcat_image:LongCatImageEditFamily",
+    "QwenImageLayeredPipeline": "omnistage.diffusion.families.qwen_image_layered:QwenImageLayeredFamily",
 }
 
 
