@@ -52,6 +52,10 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--voice", default=None, help="speech models: the speaker (default: the model's first)")
     _engine_arguments(parser)
     _omni_arguments(parser)
+    from omnistage.diffusion.cli import add_generate_arguments
+
+    add_generate_arguments(parser)
+    _diffusion_arguments(parser)
 
 
 def _omni_arguments(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +163,15 @@ def _generate_run(args: argparse.Namespace) -> int:
 
     from omnistage.entrypoints.engines import OutputOptions
 
-    llm = Omni(args.model, **engine_options(args), **omni_options(args))
+    from omnistage.entrypoints.model_source import resolve_model
+
+    model = resolve_model(args.model)
+    llm = Omni(model, **engine_options(args), **model_settings(args, model))
+    if getattr(llm.engine, "pipeline_class", None):      # an image / video model
+        from omnistage.diffusion.cli import run_generate
+
+        with llm:
+            return run_generate(args, llm)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed)
     speak = args.audio_out is not None

@@ -100,15 +100,18 @@ class Omni:
         bar, done = (_progress(0, "denoise", "step") if use_tqdm else None), {}
         for d in self._drain(outputs):
             out = outputs[d.request_id]
-            if d.progress is not None and bar is not None:
+            if d.progress is not None:
                 done[d.request_id] = d.progress
-                bar.total = sum(t for _, t in done.values())
-                bar.n = sum(s for s, _ in done.values())
-                bar.refresh()
-            if d.finished:
+            if d.finished:                       # the result completes the request's steps
+                total = done.get(d.request_id, (0, 0))[1]
+                done[d.request_id] = (total, total)
                 out.outputs[0].add(d)
                 out.pixels, out.seed = d.images, d.seed
                 out.images = [Image.fromarray(to_uint8(p)) for p in d.images or [] if p.ndim == 3]
+            if bar is not None:
+                bar.total = sum(t for _, t in done.values())
+                bar.n = sum(s for s, _ in done.values())
+                bar.refresh()
         if bar is not None:
             bar.close()
         return list(outputs.values())
