@@ -55,7 +55,15 @@ def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) ->
         raise ValueError(f"diffusion models have one stage, {STAGE!r}, not {name!r}")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    return DiffusionStage(name, build_family(config), settings.stage)
+    family = build_family(config)
+    if config.linear_kernel != "matmul":
+        from omnistage.diffusion.packed_linear import pack_linears
+
+        for attr in ("transformer", "transformer_2"):      # the denoisers: most of the time
+            model = getattr(family, attr, None)
+            if isinstance(model, torch.nn.Module):
+                pack_linears(model)
+    return DiffusionStage(name, family, settings.stage)
 
 
 class DiffusionRouter:
