@@ -81,9 +81,9 @@ def omni_options(args: argparse.Namespace) -> dict:
 
 def _diffusion_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("image and video models (diffusers folders)")
-    g.add_argument("--max-image-pixels", type=int, default=1024 * 1024,
+    g.add_argument("--max-image-pixels", type=int, default=2048 * 1024,
                    help="largest width x height of a generated image or video frame; larger "
-                        "sizes get 400 (default: 1048576 = 1024x1024)")
+                        "sizes get 400 (default: 2097152 = 2048x1024)")
     g.add_argument("--max-images-per-request", type=int, default=4,
                    help="largest n (images per request) (default: 4)")
     g.add_argument("--max-diffusion-steps", type=int, default=100,

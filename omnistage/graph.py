@@ -131,6 +131,8 @@ class StageGraph:
                         "requests served by a stage's last step", self.last_batch[name]))
             if isinstance(stage, ARStage):
                 out += stage.engine.metrics(f'stage="{name}"')
+            elif hasattr(stage, "metrics"):       # stage kinds with their own gauges (diffusion)
+                out += stage.metrics()
         return out
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ requests:
     3. predict(jobs)            ONE transformer forward for jobs of equal `key`, both CFG
                                 halves inside the batch -> the guided output per job
        (the stage then calls each job's scheduler.step: steps are per job)
+       after_step(job)          optional, after each job's scheduler.step (see DiffusionFamily)
     4. decode(job)              VAE decode + postprocess -> float32 pixels in [0, 1]
 
 Seeds follow diffusers: a request's noise is drawn for all its n samples at once from
@@ -58,6 +59,13 @@ class DenoiseJob:
 
 
 class DiffusionFamily(Protocol):
+    """The methods below are required. A family may also define `after_step(job) -> None`,
+    which the stage calls after every scheduler step of every job it steps (right after
+    `job.latents = job.scheduler.step(...)`, with job.step not yet incremented): per-job
+    post-processing of the stepped latents (Qwen-Image inpainting blends the re-noised input
+    image back into the region the mask keeps). It is left out of the protocol's methods so
+    that families without it stay conforming and cost nothing."""
+
     name: str
     is_video: bool
 

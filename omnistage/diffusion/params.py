@@ -32,6 +32,8 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
     fps: int = 16                         # video output frame rate (MP4 container)
     layers: int | None = None             # layered models: RGBA layers to split the image into
     resolution: int | None = None         # layered models: size bucket (the output is ~resolution^2 pixels)
+    strength: float | None = None         # image-to-image / inpainting: how much of the input to redo
+                                          # (1: from pure noise); None: the model's default
 
     def check(self, limits: "DiffusionLimits") -> None:
         def bad(msg: str, param: str):
@@ -68,6 +70,8 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
             bad(f"fps must be between 1 and 120, got {self.fps}", "fps")
         if self.layers is not None and not 1 <= self.layers <= limits.max_layers:
             bad(f"layers must be between 1 and {limits.max_layers}, got {self.layers}", "layers")
+        if self.strength is not None and not 0 < self.strength <= 1:
+            bad(f"strength must be more than 0 and at most 1, got {self.strength}", "strength")
         # (which resolutions a model takes is the family's rule: Qwen-Image-Layered 640 or 1024)
         if self.resolution is not None and not 1 <= self.resolution <= 4096:
             bad(f"resolution must be a positive number of pixels up to 4096, got {self.resolution}",
@@ -78,7 +82,9 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
 class DiffusionLimits:
     """Per-request bounds (server flags); requests above them get a 400."""
 
-    max_pixels: int = 1024 * 1024      # height * width of one output image / frame
+    # height * width of one output image / frame: covers Qwen-Image's native sizes (1328x1328,
+    # 1664x928) and edits of ~1024x1024 at any aspect ratio
+    max_pixels: int = 2048 * 1024
     max_n: int = 4                     # images per request
     max_steps: int = 100               # denoising steps
     max_frames: int = 81               # video frames

@@ -5,7 +5,8 @@ Each `step()`:
   2. picks the compatible group (equal job `key`: same latent shape and model expert) whose
      oldest job has waited longest, up to `max_batch` jobs, and runs ONE transformer forward for
      it (classifier-free guidance's two halves ride in the same batch);
-  3. steps each job's own scheduler, reports progress, and decodes the jobs that finished.
+  3. steps each job's own scheduler (then the family's optional `after_step(job)`, e.g. an
+     inpainting blend), reports progress, and decodes the jobs that finished.
 New requests therefore join between steps, and requests of other sizes take turns.
 """
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 class DiffusionStageSettings:
     max_batch: int = 8          # jobs per transformer forward (x2 rows with CFG)
     admit_per_step: int = 2     # new requests encoded per step (bounds the stall of running ones)
-    vae_tiling_pixels: int = 1024 * 1024   # outputs larger than this decode tiled (bounded memory)
+    vae_tiling_pixels: int = 2048 * 2048   # outputs larger than this decode tiled (bounded memory)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.admit_per_step < 1:
@@ -83,6 +84,16 @@ class DiffusionStage:
     def close(self) -> None:
         pass
 
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        label = f'stage="{self.name}"'
+        out = [(f"omnistage_diffusion_jobs{{{label}}}", "gauge", "samples being denoised", self.num_jobs()),
+               (f"omnistage_diffusion_cache_skipped_steps_total{{{label}}}", "counter",
+                "job-steps served by a step cache", self.cache_hits)]
+        for phase, seconds in self.timings.items():
+            out.append((f'omnistage_diffusion_seconds_total{{{label},phase="{phase}"}}', "counter",
+                        "seconds spent encoding prompts, denoising and decoding", seconds))
+        return out
+
     @torch.inference_mode()
     def step(self) -> list[StageOutput]:
         self._clock += 1
@@ -95,8 +106,11 @@ class DiffusionStage:
         if batch:
             t0 = time.perf_counter()
             preds = self.family.predict(batch)
+            after_step = getattr(self.family, "after_step", None)   # optional (DiffusionFamily)
             for job, pred in zip(batch, preds):
                 job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
+                if after_step is not None:
+                    after_step(job)
                 job.step += 1
                 self._waited[id(job)] = self._clock
             self.timings["denoise"] += time.perf_counter() - t0

@@ -21,6 +21,9 @@ the same classes). Size `tiny` (`count_parameters`): transformer ~0.03M (1 head 
 4/8/16/16, 1 layer per block, 16 latent channels), text encoder ~0.19M (64 wide x 2 layers + a
 2-block 32-wide vision tower), vocab 512. `overrides` is nested per component, e.g.
 {"transformer": {"num_single_layers": 2}, "text_encoder": {"text_config": {"num_hidden_layers": 3}}}.
+
+Weights: diffusers' default init for the VAE; the transformer (see `TRANSFORMER_INIT`) and the
+text encoder get `omnistage.tiny.init` scales, one seed per component.
 """
 
 from __future__ import annotations
@@ -28,13 +31,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, LongCatImageTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    LongCatImageTransformer2DModel,
+)
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from omnistage.tiny.diffusers_folder import PipelineFolder, component_seed, deep_merge, seeded, write_pipeline_folder
+from omnistage.tiny.diffusers_folder import (
+    PipelineFolder,
+    component_seed,
+    deep_merge,
+    seeded,
+    write_pipeline_folder,
+)
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.qwen_image import SIZES as QWEN_IMAGE_SIZES
-from omnistage.tiny.qwen_image import build_vl_processor, build_vl_tokenizer, text_encoder_config
+from omnistage.tiny.qwen_image import (
+    build_vl_processor,
+    build_vl_tokenizer,
+    text_encoder_config,
+)
 from omnistage.tiny.spec import TinyArch, TinyBuildOptions
 
 LATENT_CHANNELS = 16  # both pipelines hard-code num_channels_latents = 16

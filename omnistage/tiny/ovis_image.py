@@ -9,10 +9,13 @@ Qwen2Tokenizer with a Qwen3 chat template: the pipeline formats prompts with
 with dynamic shifting; the pipeline's `calculate_shift` defaults are Flux's).
 
 The text encoder, tokenizer and VAE are Z-Image's tiny ones (`omnistage.tiny.z_image`: the same
-component classes, Qwen3 + Flux VAE). Size `tiny` (`count_parameters`): transformer ~0.1M (2
+component classes, Qwen3 + Flux VAE). Size `tiny` (`count_parameters`): transformer ~0.08M (2
 heads x 16, rope axes (4, 6, 6), 1 double + 1 single block, 4 latent channels x 2 x 2), VAE
 ~0.25M, Qwen3 ~0.1M (64 wide x 2 layers, vocab 512). `overrides` is nested per component, e.g.
 {"transformer": {"num_layers": 2}, "text_encoder": {"num_hidden_layers": 3}}.
+
+Weights: diffusers' default init for the VAE; the transformer (see `TRANSFORMER_INIT`) and the
+text encoder get `omnistage.tiny.init` scales, one seed per component.
 
 Note: the pipeline drops the first 28 tokens of the templated prompt (`user_prompt_begin_id`,
 the length of the real tokenizer's chat header + system prompt); ours spends more tokens on it,
@@ -25,14 +28,29 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, OvisImageTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    OvisImageTransformer2DModel,
+)
 from transformers import Qwen3Config, Qwen3Model
 
-from omnistage.tiny.diffusers_folder import PipelineFolder, component_seed, deep_merge, seeded, write_pipeline_folder
+from omnistage.tiny.diffusers_folder import (
+    PipelineFolder,
+    component_seed,
+    deep_merge,
+    seeded,
+    write_pipeline_folder,
+)
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.spec import TinyArch, TinyBuildOptions
 from omnistage.tiny.z_image import SIZES as Z_IMAGE_SIZES
-from omnistage.tiny.z_image import ZImageSize, build_qwen3_tokenizer, text_encoder_config, vae_config
+from omnistage.tiny.z_image import (
+    ZImageSize,
+    build_qwen3_tokenizer,
+    text_encoder_config,
+    vae_config,
+)
 
 # Dynamic (resolution-dependent) shift with the pipeline's own calculate_shift defaults.
 OVIS_IMAGE_SCHEDULER: dict[str, Any] = {

@@ -145,3 +145,12 @@ def test_async_omni_streams_progress_then_all_images():
     assert [d.progress for d in deltas[:-1]] == [(0, 3), (1, 3), (2, 3)]
     last = deltas[-1]
     assert last.finished and len(last.images) == 2 and last.seed == 1
+
+
+def test_metrics_report_jobs_cache_and_phases(omni):
+    omni.generate("a cat", DiffusionParams(height=32, width=32, num_inference_steps=6, seed=1,
+                                           cache="teacache", cache_threshold=10.0))
+    names = {name: value for name, _, _, value in omni.engine.metrics()}
+    assert names['omnistage_diffusion_jobs{stage="diffusion"}'] == 0
+    assert names['omnistage_diffusion_cache_skipped_steps_total{stage="diffusion"}'] >= 4
+    assert names['omnistage_diffusion_seconds_total{stage="diffusion",phase="denoise"}'] > 0

@@ -32,7 +32,6 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 

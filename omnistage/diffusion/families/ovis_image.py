@@ -84,6 +84,11 @@ class OvisImageFamily:
         if params.true_cfg_scale is not None:
             raise InvalidRequestError(f"true_cfg_scale applies to Qwen-Image; {self.name} uses guidance_scale",
                                       param="true_cfg_scale")
+        for name, models in (("strength", "image-to-image and inpainting"), ("layers", "layered"),
+                             ("resolution", "layered")):
+            if getattr(params, name, None) is not None:
+                raise InvalidRequestError(f"{name} applies to {models} models; {self.name} does not take it, "
+                                          "leave it out", param=name)
 
     def _with_defaults(self, params: DiffusionParams, **updates) -> DiffusionParams:
         g = self.default_guidance if params.guidance_scale is None else params.guidance_scale
@@ -140,7 +145,8 @@ class OvisImageFamily:
         jobs = []
         for i in range(p.n):
             sched, timesteps = job_scheduler(self.scheduler, p.num_inference_steps, self.device, mu=mu)
-            # job.cache stays None: step caches are not supported for these models (see the report)
+            # job.cache stays None: no step cache here (it lives in the Qwen-Image and Wan
+            # forwards; this transformer runs as diffusers' module), requests run every block
             jobs.append(DenoiseJob(request.request_id, i, packed[i:i + 1], sched, timesteps, cond, key))
         return jobs
 
