@@ -57,8 +57,9 @@ def run_generate(args: argparse.Namespace, omni) -> int:
     out = omni.generate(prompt, params, use_tqdm=True)[0]
     video = omni.engine.is_video
     target = Path(args.out or ("out.mp4" if video else "out.png"))
-    paths = [target] if len(out.pixels) == 1 else [
-        target.with_name(f"{target.stem}-{i + 1}{target.suffix}") for i in range(len(out.pixels))]
+    count = len(out.pixels) if video else len(out.images)   # layered models: every layer
+    paths = [target] if count == 1 else [
+        target.with_name(f"{target.stem}-{i + 1}{target.suffix}") for i in range(count)]
     for i, path in enumerate(paths):
         if video:
             path.write_bytes(out.mp4(i))

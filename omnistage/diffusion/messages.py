@@ -28,7 +28,8 @@ class DiffusionProgress(msgspec.Struct):
 
 
 class DiffusionResult(msgspec.Struct):
-    """The finished outputs: float32 pixels in [0, 1]; (H, W, 3) images or (F, H, W, 3) videos."""
+    """The finished outputs, one per sample: float32 pixels in [0, 1]; (H, W, 3) images,
+    (F, H, W, 3) videos or (L, H, W, 4) RGBA layer stacks (layered models)."""
 
     request_id: str
     outputs: list[np.ndarray]

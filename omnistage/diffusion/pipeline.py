@@ -77,7 +77,7 @@ class DiffusionPipeline:
             raw = prompt.get("image", prompt.get("images"))
             raw = [] if raw is None else raw if isinstance(raw, (list, tuple)) else [raw]
             images = [self._image(x, "image", channels) for x in raw]
-            mask = self._image(prompt["mask"], "mask")[..., 0] if prompt.get("mask") is not None else None
+            mask = self._mask(prompt["mask"]) if prompt.get("mask") is not None else None
         else:
             raise InvalidRequestError(f"an image prompt is a string or a dict, got {type(prompt).__name__}",
                                       param="prompt")
@@ -91,6 +91,13 @@ class DiffusionPipeline:
         if mask is not None and (not images or mask.shape != images[0].shape[:2]):
             raise InvalidRequestError("mask must have the size of the (first) input image", param="mask")
         return DiffusionPrompt(text, images, mask)
+
+    def _mask(self, x) -> np.ndarray:
+        """-> uint8 (H, W), 255 = may change: a uint8 (H, W) array, or any image form (its
+        first channel)."""
+        if isinstance(x, np.ndarray) and x.ndim == 2 and x.dtype == np.uint8:
+            return np.ascontiguousarray(x)
+        return self._image(x, "mask")[..., 0]
 
     def _image(self, x, param: str, channels: int = 3) -> np.ndarray:
         """-> uint8 (H, W, channels): 3 = RGB, 4 = RGBA."""
@@ -122,6 +129,10 @@ class DiffusionPipeline:
             raise InvalidRequestError("image and video models take DiffusionParams, not "
                                       f"{type(params).__name__}", param="sampling_params")
         params.check(self.settings.limits)
+        if (params.layers is not None or params.resolution is not None) and not getattr(
+                self.family, "takes_layers", False):
+            raise InvalidRequestError("layers and resolution apply to layered (Qwen-Image-Layered) "
+                                      "models only", param="layers" if params.layers is not None else "resolution")
         params = self.family.resolve(params, prompt)
         params.check(self.settings.limits)          # again, with the model's defaults
         updates = {}

@@ -121,6 +121,7 @@ class DiffusionStage:
     def _admit(self, req: DiffusionRequest) -> list[StageOutput]:
         t0 = time.perf_counter()
         try:
+            self._set_tiling(req)          # input images are VAE-encoded here: same rule as decode
             cond = self.family.encode(req)
             jobs = self.family.prepare(req, cond)
         except InvalidRequestError as e:

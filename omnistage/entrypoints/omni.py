@@ -93,9 +93,7 @@ class Omni:
 
     def _collect_images(self, outputs: dict[str, OmniOutput], use_tqdm: bool) -> list[OmniOutput]:
         """Image/video models: progress is denoising steps; results land in .images/.pixels."""
-        from PIL import Image
-
-        from omnistage.outputs import to_uint8
+        from omnistage.outputs import pil_images
 
         bar, done = (_progress(0, "denoise", "step") if use_tqdm else None), {}
         for d in self._drain(outputs):
@@ -107,7 +105,7 @@ class Omni:
                 done[d.request_id] = (total, total)
                 out.outputs[0].add(d)
                 out.pixels, out.seed = d.images, d.seed
-                out.images = [Image.fromarray(to_uint8(p)) for p in d.images or [] if p.ndim == 3]
+                out.images = pil_images(d.images or [])    # layered models: every RGBA layer
             if bar is not None:
                 bar.total = sum(t for _, t in done.values())
                 bar.n = sum(s for s, _ in done.values())

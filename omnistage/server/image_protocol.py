@@ -34,6 +34,8 @@ class DiffusionFields(BaseModel):
     num_inference_steps: int | None = None
     guidance_scale: float | None = Field(None, allow_inf_nan=False)
     true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
+    guidance_scale_2: float | None = Field(None, allow_inf_nan=False)   # Wan2.2's low-noise expert
+    strength: float | None = Field(None, allow_inf_nan=False)  # image-to-image / inpainting
     seed: int | None = None
     cache: Literal["none", "teacache", "fbcache"] | None = None
     cache_threshold: float | None = Field(None, allow_inf_nan=False)
@@ -66,7 +68,7 @@ class ImageRequest(DiffusionFields):
             negative_prompt=self.negative_prompt, height=height, width=width,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             true_cfg_scale=self.true_cfg_scale, seed=self.seed, n=self.n, cache=self.cache,
-            cache_threshold=self.cache_threshold)
+            cache_threshold=self.cache_threshold, strength=self.strength)
 
 
 class VideoRequest(DiffusionFields):
@@ -91,8 +93,8 @@ class VideoRequest(DiffusionFields):
         return DiffusionParams(
             negative_prompt=self.negative_prompt, height=height, width=width, num_frames=frames,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale, seed=self.seed, cache=self.cache,
-            cache_threshold=self.cache_threshold, fps=self.fps)
+            true_cfg_scale=self.true_cfg_scale, guidance_scale_2=self.guidance_scale_2, seed=self.seed,
+            cache=self.cache, cache_threshold=self.cache_threshold, fps=self.fps, strength=self.strength)
 
     def duration(self) -> float:
         try:

@@ -112,3 +112,10 @@ def test_bad_params_raise_typed_errors(omni, bad, param):
 def test_bad_prompts(omni, prompt):
     with pytest.raises(InvalidRequestError):
         omni.generate(prompt, DiffusionParams(height=32, width=32))
+
+
+def test_layer_params_are_refused(omni):
+    for bad in (dict(layers=3), dict(resolution=640)):
+        with pytest.raises(InvalidRequestError) as e:
+            omni.generate("a cat", DiffusionParams(height=32, width=32, **bad))
+        assert e.value.param in ("layers", "resolution")

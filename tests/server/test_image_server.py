@@ -129,8 +129,9 @@ def test_other_endpoints_point_to_the_image_routes(servers, client, api_key):
     r = httpx.post(servers["gen"] + "/v1/videos", json={"prompt": "x"},
                    headers={"Authorization": f"Bearer {api_key}"}, timeout=10)
     assert r.status_code == 400 and "/v1/images/generations" in r.json()["error"]["message"]
-    with pytest.raises(openai.BadRequestError) as e:       # a text-to-image model takes no image
-        client.images.edit(image=("a.png", _png(32, 32, 0), "image/png"), prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:       # image-to-image takes one image
+        client.images.edit(image=[("a.png", _png(32, 32, 0), "image/png"),
+                                  ("b.png", _png(32, 32, 1), "image/png")], prompt="x", extra_body=STEPS)
     assert e.value.body["param"] == "image"
 
 

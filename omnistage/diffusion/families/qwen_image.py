@@ -6,7 +6,9 @@ Latent layout: the VAE's (C, 1, h, w) latents are cut into 2x2 patches and packe
 sequence, (1, h/2 * w/2, 4C). Jobs batch together when their image shapes are equal (the
 rotary table is shared by the batch); prompts of different lengths are right-padded and
 masked. The edit variants (an input image's latents appended to the sequence) build on this
-class (qwen_image_edit.py).
+class (qwen_image_edit.py). A request with one input image is image-to-image, with a mask too
+inpainting (diffusers' QwenImageImg2ImgPipeline / QwenImageInpaintPipeline on the same folder):
+`image_to_image` (qwen_image_inpaint.py) prepares those; the forward and decode are shared.
 """
 
 from __future__ import annotations
@@ -68,14 +70,20 @@ class QwenImageFamily:
         self.latent_channels = self.transformer.config.in_channels // 4
         self.default_size = 128 * self.vae_scale
         self.runner = QwenImageRunner(self.transformer)
+        from omnistage.diffusion.families.qwen_image_inpaint import ImageToImage  # (imports this module)
+
+        self.image_to_image = ImageToImage(self)
 
     # ---- 0. request defaults ---------------------------------------------------------------
     def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
-        if prompt.images or prompt.mask is not None:
-            raise InvalidRequestError("this model generates from text only; use an edit model "
-                                      "for input images", param="image")
         if params.num_frames is not None:
             raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
+        if prompt.images or prompt.mask is not None:
+            return self.image_to_image.resolve(params, prompt)
+        if params.strength is not None:
+            raise InvalidRequestError("strength applies to image-to-image and inpainting: pass an "
+                                      "input image (and a mask to inpaint), or leave strength out",
+                                      param="strength")
         return self._resolve_size(params)
 
     def _resolve_size(self, params: DiffusionParams) -> DiffusionParams:
@@ -106,11 +114,14 @@ class QwenImageFamily:
         p = request.params
         cfg = p.true_cfg_scale > 1 and p.negative_prompt is not None
         h, w = p.height // self.multiple, p.width // self.multiple
-        return QwenCond(self._embed(request.prompt), self._embed(p.negative_prompt) if cfg else None,
+        cond = QwenCond(self._embed(request.prompt), self._embed(p.negative_prompt) if cfg else None,
                         p.true_cfg_scale, ((1, h, w),))
+        return self.image_to_image.encode(request, cond) if request.images else cond
 
     # ---- 2. prepare latents ----------------------------------------------------------------
     def prepare(self, request: DiffusionRequest, cond: QwenCond) -> list[DenoiseJob]:
+        if "source" in cond.extra:        # an input image (set by image_to_image.encode)
+            return self.image_to_image.prepare(request, cond)
         p = request.params
         # latent size from the conditioning's output shape (packed tokens x 2): equal to
         # params.height/width // vae_scale here; edit models derive it from the input image
@@ -158,6 +169,10 @@ class QwenImageFamily:
             # keep the conditional prediction's norm per token (Qwen-Image's true CFG)
             preds.append(comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)))
         return preds
+
+    def after_step(self, job: DenoiseJob) -> None:
+        """The stage's hook after each scheduler step: inpainting re-imposes the kept region."""
+        self.image_to_image.after_step(job)
 
     # ---- 4. decode --------------------------------------------------------------------------
     def decode(self, job: DenoiseJob) -> np.ndarray:
