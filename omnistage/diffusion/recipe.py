@@ -56,6 +56,11 @@ def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) ->
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     family = build_family(config)
+    vae = getattr(family, "vae", None)
+    if isinstance(vae, torch.nn.Module):
+        from omnistage.diffusion.vae_frames import use_frame_convs
+
+        use_frame_convs(vae)           # single frames (images) through 2-D convolutions
     if config.linear_kernel != "matmul":
         from omnistage.diffusion.packed_linear import pack_linears
 
