@@ -66,6 +66,20 @@ def load_component(folder: str | Path, name: str, dtype: torch.dtype, device: to
     return model.to(device).eval()
 
 
+COMMON = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+
+
+def load_components(owner: Any, folder: str | Path, device: torch.device, dtype: torch.dtype,
+                    names: tuple[str, ...] = COMMON) -> dict:
+    """Load each named component onto `owner` as an attribute of the same name (None where
+    model_index.json lists it as null); sets owner.device / owner.dtype; returns the index."""
+    index = read_model_index(folder)
+    owner.device, owner.dtype = device, dtype
+    for name in names:
+        setattr(owner, name, load_component(folder, name, dtype, device, index))
+    return index
+
+
 def _config_only(cls, library: str, sub: Path, dtype: torch.dtype):
     """The model class instantiated from its config on the meta device (no weights, no memory)."""
     with torch.device("meta"):

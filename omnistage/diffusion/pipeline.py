@@ -21,7 +21,7 @@ from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.recipe import (DiffusionSettings, build_router, build_stage,
                                         pipeline_class, stage_names)
 from omnistage.errors import InvalidRequestError
-from omnistage.graph import StageGraph
+from omnistage.graph import GraphPipeline, StageGraph
 from omnistage.stages.remote import wait_all_started
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class DiffusionPrompt:
     token_ids: list[int] = field(default_factory=list)   # (the text APIs' field; empty here)
 
 
-class DiffusionPipeline:
+class DiffusionPipeline(GraphPipeline):
     tokenizer = None
     audio_output = False
 
@@ -147,38 +147,9 @@ class DiffusionPipeline:
         self.graph.add_request(request_id, DiffusionRequest(request_id, prompt.text, resolved,
                                                             prompt.images, prompt.mask))
 
-    # ---- the engine interface ------------------------------------------------------------
-    @property
-    def requests(self):
-        return self.graph.requests
-
-    def step(self):
-        return self.graph.step()
-
-    def abort_request(self, request_id: str):
-        return self.graph.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.graph.has_unfinished_requests()
-
-    @property
-    def num_aborted_requests(self) -> int:
-        return self.graph.num_aborted_requests
-
+    # ---- the engine interface (the rest is GraphPipeline's) ---------------------------------
     def num_waiting_requests(self) -> int:
         return max(0, len(self.graph.requests) - self.settings.stage.max_batch)
-
-    def close(self) -> None:
-        self.graph.close()
-
-    def health(self) -> str | None:
-        return self.graph.health()
-
-    def metrics(self) -> list[tuple[str, str, str, float]]:
-        return [("omnistage_requests_in_engine", "gauge", "requests in the stage graph",
-                 len(self.graph.requests)),
-                ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
-                 self.graph.num_aborted_requests)] + self.graph.metrics()
 
 
 def _decode_rgba(data) -> Image.Image:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from omnistage.diffusion.cache import StepCache
-from omnistage.diffusion.components import load_component, read_model_index
+from omnistage.diffusion.components import load_component, load_components
 from omnistage.diffusion.family import DenoiseJob
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
@@ -55,13 +55,7 @@ class QwenImageFamily:
     default_true_cfg = 4.0
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
-        index = read_model_index(folder)
-        self.device, self.dtype = device, dtype
-        self.transformer = load_component(folder, "transformer", dtype, device, index)
-        self.vae = load_component(folder, "vae", dtype, device, index)
-        self.text_encoder = load_component(folder, "text_encoder", dtype, device, index)
-        self.tokenizer = load_component(folder, "tokenizer", dtype, device, index)
-        self.scheduler = load_component(folder, "scheduler", dtype, device, index)
+        index = load_components(self, folder, device, dtype)
         self.processor = load_component(folder, "processor", dtype, device, index) if "processor" in index else None
         if self.transformer.config.guidance_embeds:
             raise ModelLoadError("guidance-distilled Qwen-Image transformers (guidance_embeds) are not supported")

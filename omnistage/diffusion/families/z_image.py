@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import torch
 
-from omnistage.diffusion.components import load_component, read_model_index
+from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image import to_pixels
 from omnistage.diffusion.family import DenoiseJob
 from omnistage.diffusion.messages import DiffusionRequest
@@ -44,13 +44,7 @@ class ZImageFamily:
     default_guidance = 5.0
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
-        index = read_model_index(folder)
-        self.device, self.dtype = device, dtype
-        self.transformer = load_component(folder, "transformer", dtype, device, index)
-        self.vae = load_component(folder, "vae", dtype, device, index)
-        self.text_encoder = load_component(folder, "text_encoder", dtype, device, index)
-        self.tokenizer = load_component(folder, "tokenizer", dtype, device, index)
-        self.scheduler = load_component(folder, "scheduler", dtype, device, index)
+        load_components(self, folder, device, dtype)
         self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
         self.multiple = self.vae_scale * 2          # pixels per 2x2 latent patch side
         self.default_size = 1024

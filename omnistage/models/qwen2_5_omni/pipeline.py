@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.graph import StageGraph
+from omnistage.graph import GraphPipeline, StageGraph
 from omnistage.llm.engine import load_tokenizer
 from omnistage.models.qwen2_5_omni.loader import load_speakers, talker_tokens
 from omnistage.models.qwen2_5_omni.messages import OmniRequest
@@ -47,7 +47,7 @@ def default_talker_params(model_dir: Path, codec_bos: int) -> SamplingParams:
         min_tokens=gen.get("talker_min_new_tokens", 0), suppress_token_ids=[codec_bos])
 
 
-class Qwen2_5OmniPipeline:
+class Qwen2_5OmniPipeline(GraphPipeline):
     def __init__(self, config: EngineConfig, settings: OmniSettings | None = None,
                  placement=None):
         """`placement(name, build) -> Stage` decides where each stage runs (default: here;
@@ -111,28 +111,7 @@ class Qwen2_5OmniPipeline:
                           talker_params if want_audio else None, speaker)
         self.graph.add_request(request_id, req)
 
-    # ---- the engine interface ------------------------------------------------------------
-    @property
-    def requests(self):
-        return self.graph.requests
-
-    def step(self):
-        return self.graph.step()
-
-    def abort_request(self, request_id: str):
-        return self.graph.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.graph.has_unfinished_requests()
-
-    @property
-    def num_aborted_requests(self) -> int:
-        return self.graph.num_aborted_requests
-
-    def close(self) -> None:
-        """Stop stage processes / actors (no-op for an all-local graph)."""
-        self.graph.close()
-
+    # ---- the engine interface (the rest is GraphPipeline's) ---------------------------------
     @property
     def max_model_len(self) -> int:
         """The thinker's context window (prompt + answer)."""
@@ -141,13 +120,3 @@ class Qwen2_5OmniPipeline:
     def num_waiting_requests(self) -> int:
         """Requests beyond the thinker's seats (the server's queue bound reads it)."""
         return max(0, len(self.graph.requests) - self.config.max_num_seqs)
-
-    def health(self) -> str | None:
-        return self.graph.health()
-
-    def metrics(self) -> list[tuple[str, str, str, float]]:
-        out = [("omnistage_requests_in_engine", "gauge", "requests in the stage graph",
-                len(self.graph.requests)),
-               ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
-                self.graph.num_aborted_requests)]
-        return out + self.graph.metrics()
