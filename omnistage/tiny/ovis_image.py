@@ -29,11 +29,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
     OvisImageTransformer2DModel,
 )
-from transformers import Qwen3Config, Qwen3Model
 
 from omnistage.tiny.diffusers_folder import (
     PipelineFolder,
@@ -45,12 +42,7 @@ from omnistage.tiny.diffusers_folder import (
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.spec import TinyArch, TinyBuildOptions
 from omnistage.tiny.z_image import SIZES as Z_IMAGE_SIZES
-from omnistage.tiny.z_image import (
-    ZImageSize,
-    build_qwen3_tokenizer,
-    text_encoder_config,
-    vae_config,
-)
+from omnistage.tiny.z_image import ZImageSize, shared_components, with_overrides
 
 # Dynamic (resolution-dependent) shift with the pipeline's own calculate_shift defaults.
 OVIS_IMAGE_SCHEDULER: dict[str, Any] = {
@@ -107,34 +99,14 @@ def transformer_config(size: OvisImageSize) -> dict[str, Any]:
 
 def build_components(options: TinyBuildOptions) -> dict[str, Any]:
     """OvisImagePipeline's components, in model_index order; deterministic for `options.seed`."""
-    size, overrides = SIZES[options.size], options.overrides
-    text_overrides = overrides.get("text_encoder", {})
-    shared = size.shared
-    # The transformer's channels follow the VAE's and the text encoder's widths, overridden or not.
-    shared = replace(shared, vae=replace(shared.vae, latent_channels=int(
-        overrides.get("vae", {}).get("latent_channels", shared.vae.latent_channels))),
-        text=replace(shared.text, hidden_size=int(text_overrides.get("hidden_size", shared.text.hidden_size))))
-    size = replace(size, shared=shared)
-    tokenizer = build_qwen3_tokenizer(int(text_overrides.get("vocab_size", shared.text.vocab_size)))
-
+    size = SIZES[options.size]
+    size = replace(size, shared=with_overrides(size.shared, options.overrides))
+    components = shared_components(options, size.shared, OVIS_IMAGE_SCHEDULER)
     with seeded(component_seed(options.seed, 0)):
         transformer = OvisImageTransformer2DModel(
-            **deep_merge(transformer_config(size), overrides.get("transformer", {})))
+            **deep_merge(transformer_config(size), options.overrides.get("transformer", {})))
     reinit_weights_(transformer, component_seed(options.seed, 4), TRANSFORMER_INIT)
-    with seeded(component_seed(options.seed, 1)):
-        vae = AutoencoderKL(**deep_merge(vae_config(shared), overrides.get("vae", {})))
-    te_config = Qwen3Config(**deep_merge(text_encoder_config(shared, tokenizer), text_overrides))
-    with seeded(component_seed(options.seed, 2)):
-        text_encoder = Qwen3Model(te_config).eval()
-    reinit_weights_(text_encoder, component_seed(options.seed, 3), InitScale())
-    scheduler = FlowMatchEulerDiscreteScheduler(**deep_merge(OVIS_IMAGE_SCHEDULER, overrides.get("scheduler", {})))
-    return {
-        "scheduler": scheduler,
-        "text_encoder": text_encoder,
-        "tokenizer": tokenizer,
-        "transformer": transformer,
-        "vae": vae,
-    }
+    return dict(sorted({**components, "transformer": transformer}.items()))   # model_index order
 
 
 def build(options: TinyBuildOptions) -> None:

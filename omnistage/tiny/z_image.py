@@ -159,25 +159,37 @@ def text_encoder_config(size: ZImageSize, tokenizer: Qwen2Tokenizer) -> dict[str
     }
 
 
-def build_components(options: TinyBuildOptions) -> dict[str, Any]:
-    """ZImagePipeline's components, in model_index order; deterministic for `options.seed`."""
-    size, overrides = SIZES[options.size], options.overrides
+def with_overrides(size: ZImageSize, overrides: dict) -> ZImageSize:
+    """The transformer's channels follow the VAE's and the text encoder's widths, overridden or not."""
     text_overrides = overrides.get("text_encoder", {})
-    # The transformer's channels follow the VAE's and the text encoder's widths, overridden or not.
-    size = replace(size, vae=replace(size.vae, latent_channels=int(
+    return replace(size, vae=replace(size.vae, latent_channels=int(
         overrides.get("vae", {}).get("latent_channels", size.vae.latent_channels))),
         text=replace(size.text, hidden_size=int(text_overrides.get("hidden_size", size.text.hidden_size))))
-    tokenizer = build_qwen3_tokenizer(int(text_overrides.get("vocab_size", size.text.vocab_size)))
 
-    with seeded(component_seed(options.seed, 0)):
-        transformer = ZImageTransformer2DModel(**deep_merge(transformer_config(size), overrides.get("transformer", {})))
+
+def shared_components(options: TinyBuildOptions, size: ZImageSize, scheduler_config: dict) -> dict[str, Any]:
+    """The tokenizer, VAE, Qwen3 text encoder and scheduler (Z-Image's; Ovis-Image reuses them)."""
+    overrides = options.overrides
+    text_overrides = overrides.get("text_encoder", {})
+    tokenizer = build_qwen3_tokenizer(int(text_overrides.get("vocab_size", size.text.vocab_size)))
     with seeded(component_seed(options.seed, 1)):
         vae = AutoencoderKL(**deep_merge(vae_config(size), overrides.get("vae", {})))
     te_config = Qwen3Config(**deep_merge(text_encoder_config(size, tokenizer), text_overrides))
     with seeded(component_seed(options.seed, 2)):
         text_encoder = Qwen3Model(te_config).eval()
     reinit_weights_(text_encoder, component_seed(options.seed, 3), InitScale())
-    scheduler = FlowMatchEulerDiscreteScheduler(**deep_merge(Z_IMAGE_SCHEDULER, overrides.get("scheduler", {})))
+    scheduler = FlowMatchEulerDiscreteScheduler(**deep_merge(scheduler_config, overrides.get("scheduler", {})))
+    return {"scheduler": scheduler, "text_encoder": text_encoder, "tokenizer": tokenizer, "vae": vae}
+
+
+def build_components(options: TinyBuildOptions) -> dict[str, Any]:
+    """ZImagePipeline's components, in model_index order; deterministic for `options.seed`."""
+    size = with_overrides(SIZES[options.size], options.overrides)
+    shared = shared_components(options, size, Z_IMAGE_SCHEDULER)
+    with seeded(component_seed(options.seed, 0)):
+        transformer = ZImageTransformer2DModel(**deep_merge(transformer_config(size),
+                                                            options.overrides.get("transformer", {})))
+    tokenizer, text_encoder, vae, scheduler = (shared[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler"))
     return {
         "scheduler": scheduler,
         "text_encoder": text_encoder,
