@@ -18,6 +18,7 @@ caching does not depend on what else shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -63,3 +64,36 @@ class StepCache:
         self.prev_signal = signal
         self.misses += 1
         return False
+
+
+def cached_stack(h0: torch.Tensor, h1: torch.Tensor, jobs: list, owners: list[int],
+                 teacache_signal: Callable[[int], torch.Tensor],
+                 run_rest: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The block stack after its first block, per job: h0 (R, L, D) is the first block's input,
+    h1 its output; owners[r] = index into jobs of row r. A job whose cache says skip gets
+    h1 + its residual; the others run `run_rest(row_index, h1_rows) -> output rows` together,
+    and a cached job stores the residual that run added. -> (R, L, D)."""
+    rows_of = [[r for r, o in enumerate(owners) if o == j] for j in range(len(jobs))]
+    run: list[int] = []
+    for job, rows in zip(jobs, rows_of):
+        c = job.cache
+        if c is None:
+            run += rows
+            continue
+        r0 = rows[0]     # the job's conditional row decides for all its rows
+        signal = teacache_signal(r0) if c.kind == "teacache" else h1[r0:r0 + 1] - h0[r0:r0 + 1]
+        if c.skip(job.step, signal):
+            h1[rows] = h1[rows] + c.residual
+        else:
+            run += rows
+    if run:
+        idx = torch.tensor(run, device=h1.device)
+        start = h1[idx]
+        out = run_rest(idx, start)
+        h1[idx] = out
+        at = {r: i for i, r in enumerate(run)}
+        for job, rows in zip(jobs, rows_of):
+            if job.cache is not None and rows[0] in at:
+                sel = [at[r] for r in rows]
+                job.cache.residual = out[sel] - start[sel]
+    return h1

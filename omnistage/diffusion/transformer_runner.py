@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.diffusion.cache import cached_stack
 from omnistage.diffusion.family import DenoiseJob
 
 
@@ -61,35 +62,17 @@ class QwenImageRunner:
         h0 = h
         e, h = first(hidden_states=h, encoder_hidden_states=e, encoder_hidden_states_mask=mask,
                      temb=temb, image_rotary_emb=rope)
-        rows_of = [[r for r, o in enumerate(owners) if o == j] for j in range(len(jobs))]
-        run: list[int] = []
-        for j, job in enumerate(jobs):
-            c, rows = job.cache, rows_of[j]
-            if c is None:
-                run += rows
-                continue
-            r0 = rows[0]   # the job's conditional row decides for all its rows
-            if c.kind == "teacache":
-                shift, scale, _ = first.img_mod(temb[r0:r0 + 1]).chunk(6, dim=-1)[0:3]
-                signal = first.img_norm1(h0[r0:r0 + 1]) * (1 + scale[:, None]) + shift[:, None]
-            else:
-                signal = h[r0:r0 + 1] - h0[r0:r0 + 1]
-            if c.skip(job.step, signal):
-                h[rows] = h[rows] + c.residual
-            else:
-                run += rows
-        if run:
-            idx = torch.tensor(run, device=h.device)
-            hs, es = h[idx], e[idx]
-            ms, ts = (None if mask is None else mask[idx]), temb[idx]
-            start = hs
+
+        def teacache_signal(r: int) -> torch.Tensor:      # the first block's modulated input
+            shift, scale, _ = first.img_mod(temb[r:r + 1]).chunk(6, dim=-1)[0:3]
+            return first.img_norm1(h0[r:r + 1]) * (1 + scale[:, None]) + shift[:, None]
+
+        def run_rest(idx: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
+            es, ms, ts = e[idx], (None if mask is None else mask[idx]), temb[idx]
             for blk in blocks[1:]:
                 es, hs = blk(hidden_states=hs, encoder_hidden_states=es, encoder_hidden_states_mask=ms,
                              temb=ts, image_rotary_emb=rope)
-            h[idx] = hs
-            at = {r: i for i, r in enumerate(run)}
-            for j, job in enumerate(jobs):
-                if job.cache is not None and rows_of[j][0] in at:
-                    sel = [at[r] for r in rows_of[j]]
-                    job.cache.residual = hs[sel] - start[sel]
+            return hs
+
+        h = cached_stack(h0, h, jobs, owners, teacache_signal, run_rest)
         return tr.proj_out(tr.norm_out(h, temb))

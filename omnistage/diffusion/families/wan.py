@@ -31,7 +31,7 @@ import torch
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from omnistage.diffusion.cache import StepCache
+from omnistage.diffusion.cache import StepCache, cached_stack
 from omnistage.diffusion.components import load_component, read_model_index
 from omnistage.diffusion.family import DenoiseJob
 from omnistage.diffusion.messages import DiffusionRequest
@@ -341,38 +341,23 @@ def _cached_forward(tr, x, t, txt, img, jobs, owners) -> torch.Tensor:
         enc = torch.cat([enc_img, enc], 1)
     first, rest = tr.blocks[0], tr.blocks[1:]
     h0, h = h, first(h, enc, proj, rope)
-    rows_of = [[r for r, o in enumerate(owners) if o == j] for j in range(len(jobs))]
-    run: list[int] = []
-    for j, job in enumerate(jobs):
-        c, rows = job.cache, rows_of[j]
-        if c is None:
-            run += rows
-            continue
-        if job.extra.get("cache_expert") != job.expert:          # another expert's residual
+    for job in jobs:
+        c = job.cache
+        if c is not None and job.extra.get("cache_expert") != job.expert:   # another expert's residual
             c.residual, c.prev_signal, c.accumulated = None, None, 0.0
             job.extra["cache_expert"] = job.expert
-        r0 = rows[0]              # the conditional row decides for the job's rows
-        if c.kind == "teacache":  # the first block's modulated input (moves with the timestep)
-            mod = (first.scale_shift_table + proj[r0:r0 + 1].float()).chunk(6, dim=-2)
-            shift, scale = mod[0].squeeze(-2), mod[1].squeeze(-2)
-            signal = first.norm1(h0[r0:r0 + 1].float()) * (1 + scale) + shift
-        else:
-            signal = h[r0:r0 + 1] - h0[r0:r0 + 1]
-        if c.skip(job.step, signal):
-            h[rows] = h[rows] + c.residual
-        else:
-            run += rows
-    if run:
-        idx = torch.tensor(run, device=h.device)
-        hs, start = h[idx], h[idx]
+
+    def teacache_signal(r: int) -> torch.Tensor:      # the first block's modulated input
+        mod = (first.scale_shift_table + proj[r:r + 1].float()).chunk(6, dim=-2)
+        shift, scale = mod[0].squeeze(-2), mod[1].squeeze(-2)
+        return first.norm1(h0[r:r + 1].float()) * (1 + scale) + shift
+
+    def run_rest(idx: torch.Tensor, hs: torch.Tensor) -> torch.Tensor:
         for blk in rest:
             hs = blk(hs, enc[idx], proj[idx], rope)       # rope: (1, L, 1, d) pairs, shared
-        h[idx] = hs
-        at = {r: i for i, r in enumerate(run)}
-        for j, job in enumerate(jobs):
-            if job.cache is not None and rows_of[j][0] in at:
-                sel = [at[r] for r in rows_of[j]]
-                job.cache.residual = hs[sel] - start[sel]
+        return hs
+
+    h = cached_stack(h0, h, jobs, owners, teacache_signal, run_rest)
     if temb.ndim == 3:    # per-token timesteps (TI2V)
         shift, scale = (tr.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
         shift, scale = shift.squeeze(2), scale.squeeze(2)
