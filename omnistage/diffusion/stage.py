@@ -104,17 +104,33 @@ class DiffusionStage:
         batch = self._pick()
         self.last_batch_jobs = len(batch)
         if batch:
-            t0 = time.perf_counter()
-            preds = self.family.predict(batch)
-            after_step = getattr(self.family, "after_step", None)   # optional (DiffusionFamily)
-            for job, pred in zip(batch, preds):
-                job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
-                if after_step is not None:
-                    after_step(job)
-                job.step += 1
-                self._waited[id(job)] = self._clock
-            self.timings["denoise"] += time.perf_counter() - t0
-            outs += self._progress_and_finish({j.request_id for j in batch})
+            rids = {j.request_id for j in batch}
+            try:
+                self._denoise(batch)
+                outs += self._progress_and_finish(rids)
+            except Exception as e:      # an internal fault fails the requests it touched, only
+                outs += self._fail(rids, e)
+        return outs
+
+    def _denoise(self, batch: list[DenoiseJob]) -> None:
+        t0 = time.perf_counter()
+        preds = self.family.predict(batch)
+        after_step = getattr(self.family, "after_step", None)   # optional (DiffusionFamily)
+        for job, pred in zip(batch, preds):
+            job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
+            if after_step is not None:
+                after_step(job)
+            job.step += 1
+            self._waited[id(job)] = self._clock
+        self.timings["denoise"] += time.perf_counter() - t0
+
+    def _fail(self, rids: set[str], error: Exception) -> list[StageOutput]:
+        log.exception("diffusion stage: requests %s failed", sorted(rids))
+        outs = []
+        for rid in sorted(rids):
+            self.abort(rid)
+            msg = f"internal error while generating: {type(error).__name__}: {error}"
+            outs.append(StageOutput(self.name, rid, StageFailure(rid, msg), True))
         return outs
 
     # ---- internals -----------------------------------------------------------------------
@@ -126,6 +142,8 @@ class DiffusionStage:
             jobs = self.family.prepare(req, cond)
         except InvalidRequestError as e:
             return [StageOutput(self.name, req.request_id, StageFailure(req.request_id, str(e)), True)]
+        except Exception as e:
+            return self._fail({req.request_id}, e)
         finally:
             self.timings["encode"] += time.perf_counter() - t0
         for job in jobs:

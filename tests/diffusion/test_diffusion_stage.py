@@ -154,3 +154,26 @@ def test_metrics_report_jobs_cache_and_phases(omni):
     assert names['omnistage_diffusion_jobs{stage="diffusion"}'] == 0
     assert names['omnistage_diffusion_cache_skipped_steps_total{stage="diffusion"}'] >= 4
     assert names['omnistage_diffusion_seconds_total{stage="diffusion",phase="denoise"}'] > 0
+
+
+def test_an_internal_fault_fails_only_the_requests_it_touched(omni):
+    eng, stage = omni.engine, stage_of(omni)
+    real = stage.family.predict
+
+    def faulty(jobs):                   # fault injection: the forward breaks for one request
+        if any(j.request_id == "boom" for j in jobs):
+            raise RuntimeError("simulated kernel failure")
+        return real(jobs)
+
+    stage.family.predict = faulty
+    try:
+        submit(omni, "boom", "a cat", num_inference_steps=3, seed=1)
+        eng.add_request("fine", eng.prepare("a dog"),
+                        DiffusionParams(height=48, width=48, num_inference_steps=3, seed=2))
+        deltas = drain(eng)
+    finally:
+        stage.family.predict = real
+    done = {d.request_id: d for d in deltas if d.finished}
+    assert done["boom"].finish_reason == "error" and "simulated kernel failure" in done["boom"].error
+    assert done["fine"].finish_reason == "stop" and done["fine"].images[0].shape == (48, 48, 3)
+    assert stage.num_jobs() == 0 and not eng.requests and stage.dead is None
