@@ -47,3 +47,24 @@ def test_process_placement_matches_local(folder):
                 pass
         again = run(remote)          # the restarted stage serves new requests
         assert np.abs(again[0].pixels[0] - want[0].pixels[0]).max() <= 1e-6
+
+
+def test_ray_actor_and_replicas_match_local(folder):
+    pytest.importorskip("ray")
+    import ray
+
+    from omnistage.deploy import StagePlacement
+
+    with Omni(folder) as local:
+        want = run(local)
+    try:
+        with Omni(folder, deploy_config=DeployConfig.everywhere("ray", ["diffusion"]), num_threads=1) as o:
+            for a, b in zip(want, run(o)):
+                assert np.abs(a.pixels[0] - b.pixels[0]).max() <= 1e-6
+    finally:
+        ray.shutdown()
+    # two stage processes behind one stage: requests spread, same pixels
+    deploy = DeployConfig({"diffusion": StagePlacement("process", num_threads=1, replicas=2)})
+    with Omni(folder, deploy_config=deploy, num_threads=1) as o:
+        for a, b in zip(want, run(o)):
+            assert np.abs(a.pixels[0] - b.pixels[0]).max() <= 1e-6
