@@ -3,6 +3,7 @@ served by an omni model: its thinker reads or transcribes, its talker and token2
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.entrypoints.engines import OutputOptions, is_pipeline
 from omnistage.errors import InvalidRequestError
+from omnistage.media.audio import decode_audio
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.streams import chain
@@ -96,10 +98,14 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
             raise InvalidRequestError("file is empty", param="file")
         ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
             (f" Context: {prompt}" if prompt else "")
-        messages = [{"role": "user", "content": [{"type": "audio", "audio": data},
+        # decoded here (off the event loop), so the reply knows the audio's duration
+        limits = getattr(getattr(engine.engine, "settings", None), "limits", None)
+        audio = await asyncio.to_thread(decode_audio, data, param="file",
+                                        max_seconds=getattr(limits, "max_audio_seconds", None))
+        messages = [{"role": "user", "content": [{"type": "audio", "audio": audio.samples},
                                                  {"type": "text", "text": ask}]}]
         t0 = time.monotonic()
-        text, duration = "", None
+        text, duration = "", round(audio.duration, 3)
         try:
             async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
                                            request_id=f"transcribe-{request.state.request_id}",

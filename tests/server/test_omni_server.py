@@ -164,8 +164,12 @@ def test_transcription(client):
     wav = base64.b64decode(_wav_b64(1.0))
     resp = client.audio.transcriptions.create(model="tiny", file=("a.wav", wav, "audio/wav"))
     assert isinstance(resp.text, str) and resp.text
-    with pytest.raises(openai.BadRequestError):
+    verbose = client.audio.transcriptions.create(model="tiny", file=("a.wav", wav, "audio/wav"),
+                                                 response_format="verbose_json")
+    assert verbose.duration == pytest.approx(1.0, abs=0.01) and verbose.text
+    with pytest.raises(openai.BadRequestError) as e:
         client.audio.transcriptions.create(model="tiny", file=("a.wav", b"not audio", "audio/wav"))
+    assert e.value.body["param"] == "file"
 
 
 def test_health_and_metrics(omni_server, api_key):
