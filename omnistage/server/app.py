@@ -34,6 +34,7 @@ from omnistage.entrypoints.engines import OutputOptions, is_diffusion
 from omnistage.server.image_routes import add_image_routes
 from omnistage.server.video_routes import add_video_routes
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
+from omnistage.server.realtime import add_realtime_route
 from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
                                      resolve_media_urls, stream_audio_delta)
 
@@ -155,6 +156,8 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                               body.stream_options, model_name, chat=True, output=speech)
 
     add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
+    # WebSockets bypass the HTTP middleware above: the route checks the key itself.
+    add_realtime_route(app, engine, model_name, api_key, limits.max_queued_requests)
     add_image_routes(app, engine, stats, model_name, check_model)
     app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
                                             limits.max_video_jobs)

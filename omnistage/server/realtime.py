@@ -1,0 +1,390 @@
+"""GET /v1/realtime: OpenAI's Realtime API (GA events) over a WebSocket, for omni and text models.
+
+One `RealtimeSession` per connection keeps the conversation (items with text, and audio already
+at the model's 16 kHz) and the input audio buffer. Each response.create runs the whole
+conversation as a chat through `engine.generate` in its own task, streaming text and speech as
+events; one response at a time. response.cancel, and a disconnect, leave that stream, which
+aborts the request in every stage. Turn detection (VAD) is not offered yet: the client commits
+the buffer and asks for a response itself.
+
+Client mistakes become `error` events (type invalid_request_error, with the offending event's
+id) and the session carries on; a refused handshake (key, model, draining, image models) is an
+HTTP error in OpenAI's JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, WebSocket
+from starlette.websockets import WebSocketState
+
+from omnistage.entrypoints.engines import OutputOptions, is_diffusion
+from omnistage.errors import InvalidRequestError
+from omnistage.media.audio import decode_base64
+from omnistage.media.encode import encode_audio
+from omnistage.outputs import Delta
+from omnistage.sampling_params import SamplingParams
+from omnistage.server.errors import error_response
+from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig, audio_part,
+                                              default_config, error_json, model_abilities, new_id,
+                                              parse_item, response_config, response_json,
+                                              update_config, usage_json)
+
+log = logging.getLogger(__name__)
+
+MAX_ITEMS = 1024                  # conversation items kept per session
+
+
+class _Closed(Exception):
+    """The client is gone; nothing more can be sent."""
+
+
+@dataclass
+class _Response:
+    id: str
+    cfg: SessionConfig                    # the session's config with this response's overrides
+    task: asyncio.Task | None = None
+    cancel_reason: str | None = None      # "client_cancelled" | "disconnect"
+    item: Item | None = None              # the assistant item, once output began
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    closing: bool = False                 # the stream ended; only the done events remain
+
+
+def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
+                       max_queued_requests: int) -> None:
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        refusal = _refusal(app, ws, engine, model_name, api_key)
+        if refusal is not None:
+            status, message, param, code = refusal
+            if "websocket.http.response" in ws.scope.get("extensions", {}):
+                await ws.send_denial_response(error_response(status, message, param, code))
+            else:
+                await ws.close(code=1008, reason=message[:120])
+            return
+        await ws.accept()
+        await RealtimeSession(ws, engine, model_name, max_queued_requests).run()
+
+
+def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
+    """(status, message, param, code) when the handshake must be refused, else None. The HTTP
+    middleware never sees WebSocket scopes, so the key is checked here."""
+    if api_key is not None:
+        given = ws.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return (401, "invalid or missing API key (Authorization: Bearer KEY)", None,
+                    "invalid_api_key")
+    if app.state.draining:
+        return 503, "the server is shutting down", None, None
+    if is_diffusion(engine.engine):
+        return (400, ("this model generates images or video; the Realtime API serves text and "
+                      "speech models (use /v1/images/generations or /v1/videos)"), "model", None)
+    model = ws.query_params.get("model")
+    if model is not None and model != model_name:
+        return 400, f"model {model!r} is not served here; use {model_name!r}", "model", None
+    return None
+
+
+class RealtimeSession:
+    def __init__(self, ws: WebSocket, engine, model_name: str, max_queued_requests: int):
+        self.ws, self.engine, self.model_name = ws, engine, model_name
+        self.max_queued = max_queued_requests
+        self.model = model_abilities(engine)
+        self.cfg = default_config(self.model)
+        self.id = new_id("sess")
+        self.items: list[Item] = []
+        self.buffer = bytearray()         # pcm16 24 kHz mono, appended, not yet committed
+        self.active: _Response | None = None
+        self._send_lock = asyncio.Lock()  # response tasks and the reader both send
+        self._handlers = {
+            "session.update": self._session_update,
+            "input_audio_buffer.append": self._append,
+            "input_audio_buffer.commit": self._commit,
+            "input_audio_buffer.clear": self._clear,
+            "conversation.item.create": self._item_create,
+            "response.create": self._response_create,
+            "response.cancel": self._response_cancel,
+        }
+
+    # ---- the connection ---------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            await self.send({"type": "session.created",
+                             "session": self.cfg.to_json(self.id, self.model_name)})
+            while True:
+                msg = await self.ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                await self._dispatch(msg.get("text"))
+        except _Closed:
+            pass
+        finally:
+            await self._stop_active("disconnect")
+
+    async def send(self, event: dict) -> None:
+        event = {"event_id": new_id("event"), **event}
+        async with self._send_lock:
+            if self.ws.application_state != WebSocketState.CONNECTED:
+                raise _Closed()
+            try:
+                await self.ws.send_text(json.dumps(event))
+            except Exception as e:   # the peer went away mid-send (uvicorn's own error types)
+                raise _Closed() from e
+
+    async def _dispatch(self, text: str | None) -> None:
+        event_id = None
+        try:
+            if text is None:
+                raise InvalidRequestError("send client events as JSON text frames, not binary",
+                                          param="type")
+            try:
+                event = json.loads(text)
+            except ValueError:
+                raise InvalidRequestError("the event is not valid JSON", param=None) from None
+            if not isinstance(event, dict):
+                raise InvalidRequestError("an event must be a JSON object with a 'type'")
+            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            handler = self._handlers.get(event.get("type"))
+            if handler is None:
+                raise InvalidRequestError(
+                    f"unknown event type {event.get('type')!r}; send one of "
+                    f"{', '.join(self._handlers)}", param="type")
+            await handler(event)
+        except InvalidRequestError as e:
+            await self.send(error_json(str(e), e.param, "invalid_value", event_id))
+
+    # ---- session and input audio ------------------------------------------------------------
+    async def _session_update(self, event: dict) -> None:
+        self.cfg = update_config(self.cfg, event.get("session"), self.model)
+        await self.send({"type": "session.updated",
+                         "session": self.cfg.to_json(self.id, self.model_name)})
+
+    async def _append(self, event: dict) -> None:
+        if not self.model.hears_audio:
+            raise InvalidRequestError("this model takes text only; send input_text items",
+                                      param="audio")
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise InvalidRequestError("audio must be a base64 string of pcm16 samples", param="audio")
+        raw = decode_base64(audio, param="audio")
+        if len(raw) % 2:
+            raise InvalidRequestError("audio must hold whole 16-bit samples (an even number of "
+                                      "bytes)", param="audio")
+        limit = int(self.model.max_audio_seconds * PCM_RATE) * 2
+        if len(self.buffer) + len(raw) > limit:
+            raise InvalidRequestError(
+                f"the input audio buffer would exceed the {self.model.max_audio_seconds:g} s "
+                "limit; commit or clear it first (this chunk was dropped)", param="audio")
+        self.buffer += raw
+
+    async def _commit(self, event: dict) -> None:
+        if not self.buffer:
+            raise InvalidRequestError("the input audio buffer is empty; append audio before "
+                                      "committing", param="audio")
+        raw, self.buffer = bytes(self.buffer), bytearray()
+        part = await asyncio.to_thread(audio_part, raw, self.model.max_audio_seconds, "audio")
+        item = Item(new_id("item"), "user", [part])
+        self._check_room(item)
+        previous = self.items[-1].id if self.items else None
+        await self.send({"type": "input_audio_buffer.committed", "item_id": item.id,
+                         "previous_item_id": previous})
+        await self._add_item(item, len(self.items))
+
+    async def _clear(self, event: dict) -> None:
+        self.buffer = bytearray()
+        await self.send({"type": "input_audio_buffer.cleared"})
+
+    # ---- conversation -----------------------------------------------------------------------
+    async def _item_create(self, event: dict) -> None:
+        prev = event.get("previous_item_id")
+        ids = [i.id for i in self.items]
+        if prev is None:
+            at = len(self.items)
+        elif prev == "root":
+            at = 0
+        elif prev in ids:
+            at = ids.index(prev) + 1
+        else:
+            raise InvalidRequestError(f"previous_item_id {prev!r} is not in the conversation",
+                                      param="previous_item_id")
+        item = await asyncio.to_thread(parse_item, event.get("item"), self.model, set(ids))
+        await self._add_item(item, at)
+
+    async def _add_item(self, item: Item, at: int) -> None:
+        self._check_room(item)
+        self.items.insert(at, item)
+        previous = self.items[at - 1].id if at > 0 else None
+        for kind in ("conversation.item.added", "conversation.item.done"):
+            await self.send({"type": kind, "previous_item_id": previous, "item": item.to_json()})
+
+    def _check_room(self, item: Item) -> None:
+        if len(self.items) >= MAX_ITEMS:
+            raise InvalidRequestError(f"the conversation holds {MAX_ITEMS} items, the most a "
+                                      "session keeps; start a new session", param="item")
+        audio = sum(i.audio_seconds() for i in self.items) + item.audio_seconds()
+        if audio > self.model.max_audio_seconds:
+            raise InvalidRequestError(
+                f"the conversation's audio would exceed {self.model.max_audio_seconds:g} s; "
+                "start a new session", param="item")
+
+    # ---- responses --------------------------------------------------------------------------
+    async def _response_create(self, event: dict) -> None:
+        if self.active is not None:
+            raise InvalidRequestError(
+                f"response {self.active.id} is still in progress; wait for its response.done "
+                "or send response.cancel first", param="response")
+        cfg = response_config(self.cfg, event.get("response"), self.model)
+        if not self.items:
+            raise InvalidRequestError("the conversation is empty; add an item "
+                                      "(conversation.item.create) or commit audio first")
+        if self.engine.engine.num_waiting_requests() >= self.max_queued:
+            await self.send(error_json("too many queued requests; retry shortly",
+                                       code="rate_limit_exceeded", kind="rate_limit_error",
+                                       event_id=event.get("event_id")))
+            return
+        r = _Response(new_id("resp"), cfg)
+        self.active = r
+        r.task = asyncio.create_task(self._respond(r, self._messages(cfg)))
+
+    def _messages(self, cfg: SessionConfig) -> list[dict]:
+        system = [{"role": "system", "content": cfg.instructions}] if cfg.instructions else []
+        return system + [i.message() for i in self.items]
+
+    async def _response_cancel(self, event: dict) -> None:
+        r = self.active
+        wanted = event.get("response_id")
+        if r is None or (wanted is not None and wanted != r.id):
+            raise InvalidRequestError("there is no such response in progress to cancel",
+                                      param="response_id")
+        await self._stop_active("client_cancelled")
+
+    async def _stop_active(self, reason: str) -> None:
+        r = self.active
+        if r is None or r.task is None:
+            return
+        r.cancel_reason = reason
+        if not r.closing or reason == "disconnect":
+            r.task.cancel()
+        await asyncio.wait([r.task])      # never raises: the task's own end is its business
+        if not r.task.cancelled() and r.task.exception() is not None:
+            log.error("realtime response %s ended with %r", r.id, r.task.exception())
+
+    async def _respond(self, r: _Response, messages: list[dict]) -> None:
+        """Runs one response to its response.done (completed, incomplete, cancelled, failed)."""
+        speaks = r.cfg.output_modalities == ["audio"]
+        params = SamplingParams(temperature=r.cfg.temperature, max_tokens=r.cfg.max_output_tokens)
+        opts = OutputOptions(modalities=["text", "audio"] if speaks else ["text"], voice=r.cfg.voice)
+        try:
+            await self._run(r, messages, params, opts, speaks)
+        except _Closed:
+            pass
+        finally:
+            if self.active is r:
+                self.active = None
+
+    async def _run(self, r: _Response, messages: list[dict], params: SamplingParams,
+                   opts: OutputOptions, speaks: bool) -> None:
+        status, details = "completed", None
+        try:
+            await self.send({"type": "response.created",
+                             "response": response_json(r.id, "in_progress", r.cfg, [])})
+            deltas = self.engine.generate(messages, params, request_id=f"realtime-{r.id}",
+                                          output=opts)
+            try:
+                await self._stream(r, deltas, speaks)
+            finally:
+                await deltas.aclose()       # leaving an unfinished stream aborts the request
+            if r.finish_reason == "length":
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        except asyncio.CancelledError:
+            if r.cancel_reason != "client_cancelled":
+                raise
+            asyncio.current_task().uncancel()   # we cancelled it: close the response properly
+            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+        except _Closed:
+            return
+        # a bad conversation (the client's mistake), or an engine fault: this response fails
+        except Exception as e:  # noqa: BLE001
+            r.closing = True
+            status, details = "failed", await self._failure(r, e)
+        r.closing = True          # a cancel from now on waits for the done events instead
+        await self._finish(r, status, details, speaks)
+
+    async def _failure(self, r: _Response, e: Exception) -> dict:
+        if isinstance(e, InvalidRequestError):
+            kind, message = "invalid_request_error", str(e)
+            await self.send(error_json(message, e.param, "invalid_value"))
+        else:
+            log.error("realtime response %s failed", r.id, exc_info=e)
+            kind, message = "server_error", f"internal error; see the server log for {r.id}"
+        return {"type": "failed", "error": {"type": kind, "code": None, "message": message}}
+
+    async def _stream(self, r: _Response, deltas, speaks: bool) -> None:
+        async for d in deltas:
+            if r.item is None:
+                await self._open_item(r, speaks)
+            await self._send_delta(r, d, speaks)
+
+    async def _open_item(self, r: _Response, speaks: bool) -> None:
+        r.item = Item(new_id("item"), "assistant",
+                      [Part("output_audio" if speaks else "output_text")], status="in_progress")
+        shown = {**r.item.to_json(), "content": []}
+        await self.send({"type": "response.output_item.added", "response_id": r.id,
+                         "output_index": 0, "item": shown})
+        previous = self.items[-1].id if self.items else None
+        self.items.append(r.item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
+                         "item": shown})
+        part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
+        await self.send({"type": "response.content_part.added", **self._where(r), "part": part})
+
+    async def _send_delta(self, r: _Response, d: Delta, speaks: bool) -> None:
+        r.prompt_tokens = max(r.prompt_tokens, d.num_prompt_tokens)
+        r.output_tokens += len(d.token_ids)
+        if d.finished:
+            r.finish_reason = d.finish_reason
+        if d.text:
+            r.item.parts[0].text += d.text
+            kind = "response.output_audio_transcript.delta" if speaks else "response.output_text.delta"
+            await self.send({"type": kind, **self._where(r), "delta": d.text})
+        if d.audio is not None and speaks:
+            pcm = encode_audio(d.audio, d.sample_rate, "pcm")   # 16-bit little-endian at 24 kHz
+            await self.send({"type": "response.output_audio.delta", **self._where(r),
+                             "delta": base64.b64encode(pcm).decode()})
+
+    async def _finish(self, r: _Response, status: str, details: dict | None, speaks: bool) -> None:
+        output = []
+        if r.item is not None:
+            text, where = r.item.parts[0].text, self._where(r)
+            if speaks:
+                await self.send({"type": "response.output_audio.done", **where})
+                await self.send({"type": "response.output_audio_transcript.done", **where,
+                                 "transcript": text})
+                part = {"type": "audio", "transcript": text}
+            else:
+                await self.send({"type": "response.output_text.done", **where, "text": text})
+                part = {"type": "text", "text": text}
+            await self.send({"type": "response.content_part.done", **where, "part": part})
+            r.item.status = "completed" if status == "completed" else "incomplete"
+            await self.send({"type": "response.output_item.done", "response_id": r.id,
+                             "output_index": 0, "item": r.item.to_json()})
+            idx = self.items.index(r.item) if r.item in self.items else 0
+            await self.send({"type": "conversation.item.done", "item": r.item.to_json(),
+                             "previous_item_id": self.items[idx - 1].id if idx > 0 else None})
+            output = [r.item]
+        if self.active is r:      # a response.create that answers response.done is welcome
+            self.active = None
+        await self.send({"type": "response.done", "response": response_json(
+            r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens))})
+
+    @staticmethod
+    def _where(r: _Response) -> dict:
+        return {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}

@@ -1,0 +1,317 @@
+"""The Realtime API's data: the session's configuration, conversation items, and the JSON of
+both, parsed from client events and written into server events (OpenAI's GA shapes, as the
+openai SDK's `types/realtime` models read them).
+
+Audio formats: input and output are `audio/pcm` (pcm16, little-endian, mono) at 24 kHz; the
+model hears 16 kHz float32, so committed audio is resampled once, when it becomes an item.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omnistage.entrypoints.engines import is_pipeline
+from omnistage.errors import InvalidRequestError
+from omnistage.media.audio import decode_base64, decode_pcm16
+
+PCM_RATE = 24000              # Hz of every audio/pcm the API carries, in and out
+MODEL_RATE = 16000            # Hz the model's audio encoder reads
+PCM_FORMAT = {"type": "audio/pcm", "rate": PCM_RATE}
+DEFAULT_TEMPERATURE = 0.8     # the beta API's default; GA sessions have no temperature field
+DEFAULT_MAX_AUDIO_SECONDS = 300.0   # models without their own media limits
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+@dataclass
+class SessionConfig:
+    """What session.update may change; checked as a whole before it replaces the old one."""
+
+    output_modalities: list[str]          # ["text"] or ["audio"] (audio carries its transcript)
+    voice: str | None                     # a speaker of the model; None for text models
+    instructions: str = ""                # "" -> no system message (the model's own default)
+    max_output_tokens: int | None = None  # None: "inf" (up to the context window)
+    temperature: float = DEFAULT_TEMPERATURE   # extension (beta field): 0 is greedy
+
+    def to_json(self, session_id: str, model: str) -> dict:
+        return {"type": "realtime", "object": "realtime.session", "id": session_id,
+                "model": model, "output_modalities": list(self.output_modalities),
+                "instructions": self.instructions,
+                "audio": {"input": {"format": PCM_FORMAT, "transcription": None,
+                                    "noise_reduction": None, "turn_detection": None},
+                          "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
+                "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+                "max_output_tokens": _tokens_json(self.max_output_tokens),
+                "temperature": self.temperature}
+
+
+@dataclass
+class ModelAbilities:
+    """What the served model can hear and say (checked against every request)."""
+
+    speakers: list[str]                   # voices; empty: the model does not speak
+    hears_audio: bool                     # audio input parts are accepted
+    max_audio_seconds: float              # per committed clip, and the input buffer's bound
+
+
+def model_abilities(engine) -> ModelAbilities:
+    inner = engine.engine
+    limits = getattr(getattr(inner, "settings", None), "limits", None)
+    speaks = is_pipeline(inner) and getattr(inner, "audio_output", False)
+    return ModelAbilities(speakers=list(inner.speakers) if speaks else [],
+                          hears_audio=is_pipeline(inner),
+                          max_audio_seconds=getattr(limits, "max_audio_seconds",
+                                                    DEFAULT_MAX_AUDIO_SECONDS))
+
+
+def default_config(model: ModelAbilities) -> SessionConfig:
+    speaks = bool(model.speakers)
+    return SessionConfig(output_modalities=["audio"] if speaks else ["text"],
+                         voice=model.speakers[0] if speaks else None)
+
+
+def update_config(cfg: SessionConfig, session, model: ModelAbilities) -> SessionConfig:
+    """session.update's `session` applied over `cfg` (a new object; `cfg` is untouched)."""
+    if not isinstance(session, dict):
+        raise InvalidRequestError("session must be an object", param="session")
+    if session.get("type", "realtime") != "realtime":
+        raise InvalidRequestError("only 'realtime' sessions are served; set session.type to "
+                                  "'realtime' (transcription sessions are not supported)",
+                                  param="session.type")
+    out = replace(cfg, output_modalities=list(cfg.output_modalities))
+    if "instructions" in session:
+        out.instructions = _string(session["instructions"], "session.instructions")
+    if "output_modalities" in session:
+        out.output_modalities = check_modalities(session["output_modalities"], model,
+                                                 "session.output_modalities")
+    if "max_output_tokens" in session:
+        out.max_output_tokens = parse_max_tokens(session["max_output_tokens"],
+                                                 "session.max_output_tokens")
+    if "temperature" in session:
+        t = session["temperature"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 2.0:
+            raise InvalidRequestError("session.temperature must be a number in [0, 2]",
+                                      param="session.temperature")
+        out.temperature = float(t)
+    audio = _object(session.get("audio"), "session.audio")
+    inp = _object(audio.get("input"), "session.audio.input")
+    output = _object(audio.get("output"), "session.audio.output")
+    for side, part in (("input", inp), ("output", output)):
+        if "format" in part:
+            check_format(part["format"], f"session.audio.{side}.format")
+    if inp.get("turn_detection") is not None:
+        raise InvalidRequestError(
+            "turn_detection (server_vad, semantic_vad) is not supported yet; set "
+            "session.audio.input.turn_detection to null and send input_audio_buffer.commit "
+            "and response.create yourself (nothing of this update was applied)",
+            param="session.audio.input.turn_detection")
+    if inp.get("transcription") is not None:
+        raise InvalidRequestError("input audio transcription is not supported; set "
+                                  "session.audio.input.transcription to null",
+                                  param="session.audio.input.transcription")
+    if output.get("speed", 1.0) != 1.0:
+        raise InvalidRequestError("session.audio.output.speed must be 1.0",
+                                  param="session.audio.output.speed")
+    if "voice" in output:
+        out.voice = check_voice(output["voice"], model, "session.audio.output.voice")
+    return out
+
+
+def response_config(session: SessionConfig, body, model: ModelAbilities) -> SessionConfig:
+    """response.create's `response` overrides over the session's config."""
+    if body is None:
+        return session
+    if not isinstance(body, dict):
+        raise InvalidRequestError("response must be an object", param="response")
+    if body.get("input") is not None or body.get("conversation", "auto") != "auto":
+        raise InvalidRequestError("out-of-band responses (response.input, "
+                                  "response.conversation) are not supported; drop them",
+                                  param="response.conversation")
+    cfg = replace(session)
+    if "output_modalities" in body:
+        cfg.output_modalities = check_modalities(body["output_modalities"], model,
+                                                 "response.output_modalities")
+    if "instructions" in body:
+        if not isinstance(body["instructions"], str):
+            raise InvalidRequestError("response.instructions must be a string",
+                                      param="response.instructions")
+        cfg.instructions = body["instructions"]
+    if "max_output_tokens" in body:
+        cfg.max_output_tokens = parse_max_tokens(body["max_output_tokens"],
+                                                 "response.max_output_tokens")
+    audio = body.get("audio")
+    output = audio.get("output") if isinstance(audio, dict) else None
+    voice = output.get("voice") if isinstance(output, dict) else None
+    if voice is not None:
+        cfg.voice = check_voice(voice, model, "response.audio.output.voice")
+    return cfg
+
+
+def check_modalities(mods, model: ModelAbilities, param: str) -> list[str]:
+    if mods not in (["text"], ["audio"]):
+        raise InvalidRequestError(f"{param} must be ['text'] or ['audio'] (audio output carries "
+                                  f"its transcript); got {mods!r}", param=param)
+    if mods == ["audio"] and not model.speakers:
+        raise InvalidRequestError(f"this model produces text only; set {param} to ['text']",
+                                  param=param)
+    return list(mods)
+
+
+def check_voice(voice, model: ModelAbilities, param: str) -> str:
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if not model.speakers:
+        raise InvalidRequestError("this model does not speak; drop the voice", param=param)
+    if voice not in model.speakers:
+        raise InvalidRequestError(f"unknown voice {voice!r}; choose one of {model.speakers}",
+                                  param=param)
+    return voice
+
+
+def check_format(fmt, param: str) -> None:
+    """Only 24 kHz pcm16 ("audio/pcm"; the beta's "pcm16" is accepted too)."""
+    ok = fmt == "pcm16" or (isinstance(fmt, dict) and fmt.get("type") == "audio/pcm"
+                            and fmt.get("rate", PCM_RATE) == PCM_RATE)
+    if not ok:
+        raise InvalidRequestError(f"{param} must be {{'type': 'audio/pcm', 'rate': 24000}}; "
+                                  f"got {fmt!r} (G.711 pcmu/pcma are not supported)", param=param)
+
+
+def parse_max_tokens(value, param: str) -> int | None:
+    if value == "inf" or value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise InvalidRequestError(f"{param} must be an integer in [1, 4096] or 'inf'", param=param)
+    return value
+
+
+# ---- conversation items -----------------------------------------------------------------------
+
+@dataclass
+class Part:
+    type: str                             # input_text | input_audio | output_text | output_audio
+    text: str = ""                        # the text, or an output_audio part's transcript
+    audio: np.ndarray | None = None       # input_audio: (N,) float32 at MODEL_RATE
+
+    def to_json(self) -> dict:
+        if self.type == "input_audio":
+            return {"type": "input_audio", "audio": None, "transcript": None}
+        if self.type == "output_audio":
+            return {"type": "output_audio", "audio": None, "transcript": self.text}
+        return {"type": self.type, "text": self.text}
+
+
+@dataclass
+class Item:
+    id: str
+    role: str                             # user | assistant | system
+    parts: list[Part] = field(default_factory=list)
+    status: str = "completed"             # in_progress while a response writes it
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "type": "message", "object": "realtime.item", "role": self.role,
+                "status": self.status, "content": [p.to_json() for p in self.parts]}
+
+    def message(self) -> dict:
+        """The item as one chat message for the engine (see models/qwen2_5_omni/processor)."""
+        if self.role != "user":
+            return {"role": self.role, "content": "".join(p.text for p in self.parts)}
+        return {"role": "user", "content": [
+            {"type": "audio", "audio": p.audio} if p.type == "input_audio"
+            else {"type": "text", "text": p.text} for p in self.parts]}
+
+    def audio_seconds(self) -> float:
+        return sum(p.audio.size for p in self.parts if p.audio is not None) / MODEL_RATE
+
+
+def audio_part(pcm: bytes, max_seconds: float, param: str) -> Part:
+    """24 kHz pcm16 bytes -> an input_audio part at the model's rate."""
+    clip = decode_pcm16(pcm, input_rate=PCM_RATE, sample_rate=MODEL_RATE,
+                        max_seconds=max_seconds, param=param)
+    return Part("input_audio", audio=clip.samples)
+
+
+def parse_item(item, model: ModelAbilities, taken: set[str]) -> Item:
+    """conversation.item.create's `item`: a message from the user (input_text, input_audio),
+    the system (input_text) or the assistant (output_text)."""
+    if not isinstance(item, dict) or item.get("type", "message") != "message":
+        raise InvalidRequestError("item must be a message ({'type': 'message', 'role': ..., "
+                                  "'content': [...]}); function calls are not supported",
+                                  param="item.type")
+    role = item.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise InvalidRequestError("item.role must be 'user', 'assistant' or 'system'",
+                                  param="item.role")
+    item_id = item.get("id") or new_id("item")
+    if not isinstance(item_id, str) or item_id in taken:
+        raise InvalidRequestError(f"item.id {item_id!r} is already in the conversation; "
+                                  "omit it to get a fresh one", param="item.id")
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise InvalidRequestError("item.content must be a non-empty list of content parts",
+                                  param="item.content")
+    allowed = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+               "assistant": ("output_text",)}[role]
+    parts = []
+    for i, p in enumerate(content):
+        param = f"item.content[{i}]"
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in allowed:
+            raise InvalidRequestError(f"{param}: a {role} message takes parts of type "
+                                      f"{', '.join(allowed)}; got {kind!r}", param=param)
+        if kind == "input_audio":
+            if not model.hears_audio:
+                raise InvalidRequestError(f"{param}: this model takes text only", param=param)
+            raw = decode_base64(_string(p.get("audio"), f"{param}.audio"), param=f"{param}.audio")
+            parts.append(audio_part(raw, model.max_audio_seconds, f"{param}.audio"))
+        else:
+            parts.append(Part(kind, text=_string(p.get("text"), f"{param}.text")))
+    return Item(item_id, role, parts)
+
+
+# ---- server events ----------------------------------------------------------------------------
+
+def response_json(response_id: str, status: str, cfg: SessionConfig, output: list[Item],
+                  details: dict | None = None, usage: dict | None = None) -> dict:
+    return {"id": response_id, "object": "realtime.response", "status": status,
+            "status_details": details, "output": [i.to_json() for i in output],
+            "conversation_id": None, "output_modalities": list(cfg.output_modalities),
+            "max_output_tokens": _tokens_json(cfg.max_output_tokens), "metadata": None,
+            "audio": {"output": {"format": PCM_FORMAT, "voice": cfg.voice}}, "usage": usage}
+
+
+def usage_json(prompt_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def error_json(message: str, param: str | None = None, code: str | None = None,
+               event_id: str | None = None, kind: str = "invalid_request_error") -> dict:
+    """An `error` event's body; `event_id` names the client event that caused it."""
+    return {"type": "error", "error": {"type": kind, "code": code, "message": message,
+                                       "param": param, "event_id": event_id}}
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def _tokens_json(n: int | None):
+    return "inf" if n is None else n
+
+
+def _string(value, param: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{param} must be a string", param=param)
+    return value
+
+
+def _object(value, param: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be an object", param=param)
+    return value

@@ -1,0 +1,226 @@
+"""GET /v1/realtime on the real server with a tiny Qwen2.5-Omni, driven by the openai SDK's
+Realtime client: text and audio turns (the transcript equals the offline API's greedy text),
+response.cancel and disconnects (the engine keeps nothing), bad events (an error event, and
+the session carries on), and the API key on the handshake."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from omnistage import Omni, SamplingParams
+from omnistage.entrypoints.engines import OutputOptions
+
+DEADLINE_S = 30            # every wait for an event is bounded by this
+
+
+@pytest.fixture(scope="module")
+def omni_server(start_server, tiny_omni):
+    with start_server(tiny_omni, "--linear-kernel", "matmul") as running:
+        yield running.base
+
+
+@pytest.fixture(scope="module")
+def client(omni_server, api_key):
+    return openai.OpenAI(base_url=f"{omni_server}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def _pcm16_tone(seconds: float = 0.5, rate: int = 24000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
+
+
+def _until(conn, last: str, deadline_s: float = DEADLINE_S) -> list:
+    """Events up to and including the first of type `last` (bounded by a deadline)."""
+    events, end = [], time.monotonic() + deadline_s
+    while True:
+        assert time.monotonic() < end, f"no {last!r} within {deadline_s} s: {[e.type for e in events]}"
+        ev = conn.recv()
+        events.append(ev)
+        if ev.type == last:
+            return events
+
+
+def _metric(base: str, api_key: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {api_key}"}).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is missing from /metrics")
+
+
+def _wait_engine_empty(base: str, api_key: str) -> None:
+    end = time.monotonic() + 10
+    while _metric(base, api_key, "omnistage_requests_in_engine") != 0:
+        assert time.monotonic() < end, "the engine still holds the aborted request"
+        time.sleep(0.05)
+
+
+def test_text_turn(client):
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                     "temperature": 0, "max_output_tokens": 6})
+        updated = _until(conn, "session.updated")[-1]
+        assert updated.session.output_modalities == ["text"]
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Hello sea"}]})
+        added = _until(conn, "conversation.item.done")
+        assert [e.type for e in added] == ["conversation.item.added", "conversation.item.done"]
+        conn.response.create()
+        events = _until(conn, "response.done")
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
+                         "response.content_part.added"]
+    assert types[-5:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "conversation.item.done", "response.done"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = events[-1].response
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 6
+    assert done.output[0].content[0].text == text == events[-5].text
+
+
+def test_audio_turn_transcript_equals_offline(client, tiny_omni):
+    pcm = _pcm16_tone()
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                     "temperature": 0, "max_output_tokens": 5,
+                                     "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                                         "turn_detection": None},
+                                               "output": {"voice": "Chelsie"}}})
+        _until(conn, "session.updated")
+        for i in range(0, len(pcm), 4800):
+            conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + 4800]).decode())
+        conn.input_audio_buffer.commit()
+        committed = _until(conn, "conversation.item.done")
+        assert committed[0].type == "input_audio_buffer.committed"
+        conn.response.create()
+        events = _until(conn, "response.done", deadline_s=60)
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    samples = np.frombuffer(audio, dtype="<i2")
+    assert samples.size > 2400 and np.abs(samples).max() > 0
+    done = next(e for e in events if e.type == "response.output_audio_transcript.done")
+    assert done.transcript == transcript
+
+    offline = Omni(tiny_omni, block_size=4, linear_kernel="matmul")
+    messages = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(pcm).decode(), "format": "pcm16"}}]}]
+    [want] = offline.generate(messages, SamplingParams(temperature=0, max_tokens=5),
+                              output=OutputOptions(modalities=["text", "audio"], voice="Chelsie"))
+    assert transcript == want.text
+
+
+def test_cancel_then_disconnect_leave_nothing_in_the_engine(client, omni_server, api_key):
+    aborted = _metric(omni_server, api_key, "omnistage_requests_aborted_total")
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Talk"}]})
+        _until(conn, "conversation.item.done")
+        conn.response.create(response={"output_modalities": ["audio"], "max_output_tokens": 4000})
+        _until(conn, "response.output_audio_transcript.delta")
+        conn.response.cancel()
+        done = _until(conn, "response.done")[-1]
+        assert done.response.status == "cancelled"
+        assert done.response.status_details.reason == "client_cancelled"
+        _wait_engine_empty(omni_server, api_key)
+        assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 1
+        # the session carries on: the partial answer is in the conversation
+        conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4000})
+        _until(conn, "response.output_text.delta")
+    _wait_engine_empty(omni_server, api_key)      # leaving mid-response aborted it
+    assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 2
+
+
+def test_bad_events_are_error_events_and_the_session_continues(client):
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.send({"type": "no.such.event"})
+        err = _until(conn, "error")[-1].error
+        assert err.type == "invalid_request_error" and "unknown event type" in err.message
+        conn.send({"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "ev1"})
+        err = _until(conn, "error")[-1].error
+        assert "base64" in err.message and err.event_id == "ev1"
+        conn.session.update(session={"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad"}}}})
+        err = _until(conn, "error")[-1].error
+        assert "turn_detection" in err.message and err.param == "session.audio.input.turn_detection"
+        conn.input_audio_buffer.commit()
+        assert "empty" in _until(conn, "error")[-1].error.message
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}})
+        assert "Chelsie" in _until(conn, "error")[-1].error.message
+        conn.input_audio_buffer.append(audio=base64.b64encode(_pcm16_tone(0.001)).decode())
+        conn.input_audio_buffer.commit()
+        _until(conn, "conversation.item.done")
+        conn.response.create(response={"output_modalities": ["text"]})
+        events = _until(conn, "response.done")       # too short a clip for the model: it fails
+        assert [e.type for e in events] == ["response.created", "error", "response.done"]
+        assert "too short" in events[1].error.message and events[2].response.status == "failed"
+        # still alive, and nothing of the refused updates applied
+        conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
+        session = _until(conn, "session.updated")[-1].session
+        assert session.audio.input.turn_detection is None and session.instructions == "Be brief."
+        assert session.audio.output.voice != "alloy"
+
+
+def test_audio_buffer_is_bounded(client):
+    thirty_seconds = base64.b64encode(_pcm16_tone(30.0)).decode()
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        for _ in range(11):             # the tiny model's limit: 300 s per clip
+            conn.input_audio_buffer.append(audio=thirty_seconds)
+        err = _until(conn, "error")[-1].error
+        assert "300 s limit" in err.message and err.param == "audio"
+        conn.input_audio_buffer.clear()
+        _until(conn, "input_audio_buffer.cleared")
+
+
+def test_wrong_key_and_model_are_refused(omni_server, api_key):
+    from websockets.exceptions import InvalidStatus
+
+    bad = openai.OpenAI(base_url=f"{omni_server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(InvalidStatus) as e, bad.realtime.connect(model="tiny"):
+        pass
+    assert e.value.response.status_code == 401
+    good = openai.OpenAI(base_url=f"{omni_server}/v1", api_key=api_key, max_retries=0)
+    with pytest.raises(InvalidStatus) as e, good.realtime.connect(model="other"):
+        pass
+    assert e.value.response.status_code == 400 and b"tiny" in e.value.response.body
+
+
+def test_text_model_serves_text_sessions(server, api_key):
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key=api_key, max_retries=0)
+    with c.realtime.connect(model="tiny") as conn:
+        created = conn.recv()
+        assert created.session.output_modalities == ["text"] and created.session.audio.output.voice is None
+        conn.input_audio_buffer.append(audio=base64.b64encode(_pcm16_tone(0.1)).decode())
+        assert "text only" in _until(conn, "error")[-1].error.message
+        conn.session.update(session={"type": "realtime", "output_modalities": ["audio"]})
+        assert "text only" in _until(conn, "error")[-1].error.message
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Hi"}]})
+        conn.response.create(response={"max_output_tokens": 3})
+        done = _until(conn, "response.done")[-1].response
+    assert done.usage.output_tokens == 3 and done.output[0].content[0].type == "output_text"
+
+
+def test_image_models_refuse_the_handshake():
+    """No server process needed: the refusal happens before the engine is used."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    from omnistage.server.app import build_app
+
+    engine = SimpleNamespace(engine=SimpleNamespace(pipeline_class=object, is_video=False))
+    with pytest.raises(WebSocketDenialResponse) as e, \
+            TestClient(build_app(engine, "m")).websocket_connect("/v1/realtime?model=m"):
+        pass
+    assert e.value.status_code == 400 and "images or video" in e.value.json()["error"]["message"]
