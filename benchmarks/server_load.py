@@ -6,6 +6,9 @@ p50/p95 and seconds of speech), errors and incomplete streams; the last line is 
     python -m benchmarks.server_load --base-url http://127.0.0.1:8011/v1 --model tiny:qwen2
     omnistage serve tiny:qwen2_5_omni --port 8012 &
     python -m benchmarks.server_load --base-url http://127.0.0.1:8012/v1 --model tiny:qwen2_5_omni --audio
+    omnistage serve tiny:qwen_image:small --port 8013 &
+    python -m benchmarks.server_load --base-url http://127.0.0.1:8013/v1 --model tiny:qwen_image:small \
+        --images --size 256x256 --steps 20 --concurrency 8 --duration 60
 """
 
 from __future__ import annotations
@@ -62,15 +65,37 @@ async def client_loop(client, model: str, stop_at: float, max_tokens: int, stats
                 stats["ttfa"].append(first_audio)
 
 
+async def image_loop(client, model: str, stop_at: float, size: str, steps: int, stats: dict) -> None:
+    """Image clients: each generates one PNG after another (b64_json), timing each request."""
+    i = 0
+    while time.monotonic() < stop_at:
+        i += 1
+        t0 = time.monotonic()
+        try:
+            resp = await client.images.generate(model=model, prompt=f"picture {i}", size=size,
+                                                extra_body={"num_inference_steps": steps})
+        except openai.OpenAIError as e:
+            stats["errors"].append(repr(e)[:200])
+            continue
+        if not resp.data or not resp.data[0].b64_json:
+            stats["incomplete"] += 1
+        stats["done"] += 1
+        stats["latency"].append(time.monotonic() - t0)
+
+
 async def main(args) -> dict:
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
                                 timeout=120)
     stats = {"done": 0, "tokens": 0, "ttft": [], "ttfa": [], "audio_s": 0.0, "errors": [],
-             "incomplete": 0}
+             "incomplete": 0, "latency": []}
     t0 = time.monotonic()
     stop_at = t0 + args.duration
-    await asyncio.gather(*(client_loop(client, args.model, stop_at, args.max_tokens, stats, args.audio)
-                           for _ in range(args.concurrency)))
+    if args.images:
+        await asyncio.gather(*(image_loop(client, args.model, stop_at, args.size, args.steps, stats)
+                               for _ in range(args.concurrency)))
+    else:
+        await asyncio.gather(*(client_loop(client, args.model, stop_at, args.max_tokens, stats, args.audio)
+                               for _ in range(args.concurrency)))
     wall = time.monotonic() - t0
     await client.close()
 
@@ -85,6 +110,11 @@ async def main(args) -> dict:
            "ttft_mean_s": round(statistics.mean(ttft), 4) if ttft else None,
            "errors": len(stats["errors"]), "error_samples": stats["errors"][:3],
            "incomplete": stats["incomplete"]}
+    if args.images:
+        out.update(images_per_s=out.pop("req_per_s"), latency_p50_s=pct(stats["latency"], 0.5),
+                   latency_p95_s=pct(stats["latency"], 0.95))
+        for k in ("tok_per_s", "ttft_p50_s", "ttft_p95_s", "ttft_mean_s"):
+            out.pop(k)
     if args.audio:
         out.update(ttfa_p50_s=pct(stats["ttfa"], 0.5), ttfa_p95_s=pct(stats["ttfa"], 0.95),
                    audio_s_per_s=round(stats["audio_s"] / wall, 2))
@@ -100,7 +130,17 @@ if __name__ == "__main__":
     p.add_argument("--duration", type=float, default=60.0, help="seconds to keep starting requests")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--audio", action="store_true", help="ask for speech too (pcm16 stream); report TTFA")
+    p.add_argument("--images", action="store_true",
+                   help="image models: clients call /v1/images/generations; report images/s and latency")
+    p.add_argument("--size", default="256x256", help="--images: image size (default 256x256)")
+    p.add_argument("--steps", type=int, default=20, help="--images: denoising steps (default 20)")
     result = asyncio.run(main(p.parse_args()))
+    if "images_per_s" in result:
+        print(f"{result['requests']} images in {result['duration_s']} s: {result['images_per_s']} images/s, "
+              f"latency p50 {result['latency_p50_s']} s p95 {result['latency_p95_s']} s, "
+              f"errors {result['errors']}, incomplete {result['incomplete']}")
+        print(json.dumps(result))
+        raise SystemExit(0)
     print(f"{result['requests']} requests in {result['duration_s']} s: {result['req_per_s']} req/s, "
           f"TTFT p50 {result['ttft_p50_s']} s p95 {result['ttft_p95_s']} s, "
           + (f"TTFA p50 {result['ttfa_p50_s']} s p95 {result['ttfa_p95_s']} s, "
