@@ -46,6 +46,7 @@ from omnistage.tiny.diffusers_folder import (
     write_pipeline_folder,
 )
 from omnistage.tiny.init import InitScale, reinit_weights_
+from omnistage.tiny.ovis_image import TRANSFORMER_INIT, TransformerShape  # the same Flux-style shapes
 from omnistage.tiny.qwen_image import SIZES as QWEN_IMAGE_SIZES
 from omnistage.tiny.qwen_image import (
     build_vl_processor,
@@ -66,22 +67,6 @@ LONGCAT_IMAGE_SCHEDULER: dict[str, Any] = {
     "use_dynamic_shifting": True,
 }
 _VAE_SCALING, _VAE_SHIFT = 0.3611, 0.1159  # the Flux VAE's latent affine
-
-# Diffusers' default init leaves a tiny transformer nearly deaf to the prompt (512 or 256 text
-# positions, mostly padding, against a few image tokens): two prompts moved 64x64 pixels by
-# <= 0.006. Linear gain 1.5 (measured): <= 0.06 (Ovis) / 0.13 (LongCat), while the seed still
-# dominates the image (mean change ~0.12); at 2.5 the seed stops mattering.
-TRANSFORMER_INIT = InitScale(linear_gain=1.5)
-
-
-@dataclass(frozen=True)
-class TransformerShape:
-    num_layers: int  # double-stream blocks
-    num_single_layers: int
-    num_attention_heads: int
-    attention_head_dim: int
-    axes_dims_rope: tuple[int, int, int]  # sums to attention_head_dim
-
 
 @dataclass(frozen=True)
 class VaeShape:
