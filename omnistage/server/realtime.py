@@ -4,8 +4,10 @@ One `RealtimeSession` per connection keeps the conversation (items with text, an
 at the model's 16 kHz) and the input audio buffer. Each response.create runs the whole
 conversation as a chat through `engine.generate` in its own task, streaming text and speech as
 events; one response at a time. response.cancel, and a disconnect, leave that stream, which
-aborts the request in every stage. Turn detection (VAD) is not offered yet: the client commits
-the buffer and asks for a response itself.
+aborts the request in every stage. Turn detection is off by default (see realtime_events): the
+client commits the buffer and asks for responses. With `server_vad` (server/vad.py) each turn
+is speech_started (cancelling a running response: interrupt_response), speech_stopped, the
+turn committed as a user item, and a response (create_response).
 
 Client mistakes become `error` events (type invalid_request_error, with the offending event's
 id) and the session carries on; a refused handshake (key, model, draining, image models) is an
@@ -26,19 +28,18 @@ from starlette.websockets import WebSocketState
 
 from omnistage.entrypoints.engines import OutputOptions, is_diffusion
 from omnistage.errors import InvalidRequestError
-from omnistage.media.audio import decode_base64
 from omnistage.media.encode import encode_audio
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
-from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig, audio_part,
-                                              default_config, error_json, model_abilities, new_id,
+from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig, appended_pcm,
+                                              audio_part, check_room, default_config, error_json,
+                                              insert_position, model_abilities, new_id,
                                               parse_item, response_config, response_json,
                                               update_config, usage_json)
+from omnistage.server.vad import InputAudioBuffer, VadEvent
 
 log = logging.getLogger(__name__)
-
-MAX_ITEMS = 1024                  # conversation items kept per session
 
 
 class _Closed(Exception):
@@ -50,7 +51,7 @@ class _Response:
     id: str
     cfg: SessionConfig                    # the session's config with this response's overrides
     task: asyncio.Task | None = None
-    cancel_reason: str | None = None      # "client_cancelled" | "disconnect"
+    cancel_reason: str | None = None      # "client_cancelled" | "turn_detected" | "disconnect"
     item: Item | None = None              # the assistant item, once output began
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -101,7 +102,8 @@ class RealtimeSession:
         self.cfg = default_config(self.model)
         self.id = new_id("sess")
         self.items: list[Item] = []
-        self.buffer = bytearray()         # pcm16 24 kHz mono, appended, not yet committed
+        self.buffer = InputAudioBuffer(PCM_RATE)  # with a detector while server_vad is on
+        self.turn_item: str | None = None  # the item id speech_started announced
         self.active: _Response | None = None
         self._send_lock = asyncio.Lock()  # response tasks and the reader both send
         self._handlers = {
@@ -164,76 +166,79 @@ class RealtimeSession:
     # ---- session and input audio ------------------------------------------------------------
     async def _session_update(self, event: dict) -> None:
         self.cfg = update_config(self.cfg, event.get("session"), self.model)
+        td = self.cfg.turn_detection
+        if self.buffer.set_detector(None if td is None else td.vad):
+            self.turn_item = None
         await self.send({"type": "session.updated",
                          "session": self.cfg.to_json(self.id, self.model_name)})
 
     async def _append(self, event: dict) -> None:
-        if not self.model.hears_audio:
-            raise InvalidRequestError("this model takes text only; send input_text items",
-                                      param="audio")
-        audio = event.get("audio")
-        if not isinstance(audio, str):
-            raise InvalidRequestError("audio must be a base64 string of pcm16 samples", param="audio")
-        raw = decode_base64(audio, param="audio")
-        if len(raw) % 2:
-            raise InvalidRequestError("audio must hold whole 16-bit samples (an even number of "
-                                      "bytes)", param="audio")
+        raw = appended_pcm(event, self.model)
         limit = int(self.model.max_audio_seconds * PCM_RATE) * 2
         if len(self.buffer) + len(raw) > limit:
             raise InvalidRequestError(
                 f"the input audio buffer would exceed the {self.model.max_audio_seconds:g} s "
                 "limit; commit or clear it first (this chunk was dropped)", param="audio")
-        self.buffer += raw
+        for ev, turn in self.buffer.append(raw):
+            try:
+                if ev.kind == "start":
+                    await self._speech_started(ev)
+                else:
+                    await self._speech_stopped(ev, turn)
+            except InvalidRequestError as e:     # e.g. a full conversation: the next turn may fit
+                await self.send(error_json(str(e), e.param, "invalid_value", event.get("event_id")))
 
     async def _commit(self, event: dict) -> None:
         if not self.buffer:
             raise InvalidRequestError("the input audio buffer is empty; append audio before "
                                       "committing", param="audio")
-        raw, self.buffer = bytes(self.buffer), bytearray()
+        self.turn_item = None
+        await self._commit_audio(self.buffer.take(), new_id("item"))
+
+    async def _commit_audio(self, raw: bytes, item_id: str) -> None:
         part = await asyncio.to_thread(audio_part, raw, self.model.max_audio_seconds, "audio")
-        item = Item(new_id("item"), "user", [part])
-        self._check_room(item)
+        item = Item(item_id, "user", [part])
+        check_room(self.items, item, self.model)
         previous = self.items[-1].id if self.items else None
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id,
                          "previous_item_id": previous})
         await self._add_item(item, len(self.items))
 
     async def _clear(self, event: dict) -> None:
-        self.buffer = bytearray()
+        self.buffer.take()
+        self.turn_item = None
         await self.send({"type": "input_audio_buffer.cleared"})
+
+    # ---- server_vad -------------------------------------------------------------------------
+    async def _speech_started(self, ev: VadEvent) -> None:
+        self.turn_item = new_id("item")
+        await self.send({"type": "input_audio_buffer.speech_started", "item_id": self.turn_item,
+                         "audio_start_ms": ev.at * 1000 // PCM_RATE})
+        if self.active is not None and self.cfg.turn_detection.interrupt_response:
+            await self._stop_active("turn_detected")
+
+    async def _speech_stopped(self, ev: VadEvent, turn: bytes) -> None:
+        item_id, self.turn_item = self.turn_item or new_id("item"), None
+        await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item_id,
+                         "audio_end_ms": ev.at * 1000 // PCM_RATE})
+        await self._commit_audio(turn, item_id)
+        # a response still running (interrupt_response false) keeps the turn unanswered
+        if self.cfg.turn_detection.create_response and self.active is None:
+            await self._start_response(self.cfg)
 
     # ---- conversation -----------------------------------------------------------------------
     async def _item_create(self, event: dict) -> None:
-        prev = event.get("previous_item_id")
-        ids = [i.id for i in self.items]
-        if prev is None:
-            at = len(self.items)
-        elif prev == "root":
-            at = 0
-        elif prev in ids:
-            at = ids.index(prev) + 1
-        else:
-            raise InvalidRequestError(f"previous_item_id {prev!r} is not in the conversation",
-                                      param="previous_item_id")
-        item = await asyncio.to_thread(parse_item, event.get("item"), self.model, set(ids))
+        at = insert_position(event.get("previous_item_id"), self.items)
+        taken = {i.id for i in self.items}
+        item = await asyncio.to_thread(parse_item, event.get("item"), self.model, taken)
         await self._add_item(item, at)
 
     async def _add_item(self, item: Item, at: int) -> None:
-        self._check_room(item)
+        check_room(self.items, item, self.model)
         self.items.insert(at, item)
         previous = self.items[at - 1].id if at > 0 else None
         for kind in ("conversation.item.added", "conversation.item.done"):
             await self.send({"type": kind, "previous_item_id": previous, "item": item.to_json()})
-
-    def _check_room(self, item: Item) -> None:
-        if len(self.items) >= MAX_ITEMS:
-            raise InvalidRequestError(f"the conversation holds {MAX_ITEMS} items, the most a "
-                                      "session keeps; start a new session", param="item")
-        audio = sum(i.audio_seconds() for i in self.items) + item.audio_seconds()
-        if audio > self.model.max_audio_seconds:
-            raise InvalidRequestError(
-                f"the conversation's audio would exceed {self.model.max_audio_seconds:g} s; "
-                "start a new session", param="item")
 
     # ---- responses --------------------------------------------------------------------------
     async def _response_create(self, event: dict) -> None:
@@ -241,14 +246,17 @@ class RealtimeSession:
             raise InvalidRequestError(
                 f"response {self.active.id} is still in progress; wait for its response.done "
                 "or send response.cancel first", param="response")
-        cfg = response_config(self.cfg, event.get("response"), self.model)
+        await self._start_response(response_config(self.cfg, event.get("response"), self.model),
+                                   event.get("event_id"))
+
+    async def _start_response(self, cfg: SessionConfig, event_id: str | None = None) -> None:
         if not self.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
         if self.engine.engine.num_waiting_requests() >= self.max_queued:
             await self.send(error_json("too many queued requests; retry shortly",
                                        code="rate_limit_exceeded", kind="rate_limit_error",
-                                       event_id=event.get("event_id")))
+                                       event_id=event_id))
             return
         r = _Response(new_id("resp"), cfg)
         self.active = r
@@ -305,10 +313,10 @@ class RealtimeSession:
             if r.finish_reason == "length":
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         except asyncio.CancelledError:
-            if r.cancel_reason != "client_cancelled":
+            if r.cancel_reason not in ("client_cancelled", "turn_detected"):
                 raise
             asyncio.current_task().uncancel()   # we cancelled it: close the response properly
-            status, details = "cancelled", {"type": "cancelled", "reason": "client_cancelled"}
+            status, details = "cancelled", {"type": "cancelled", "reason": r.cancel_reason}
         except _Closed:
             return
         # a bad conversation (the client's mistake), or an engine fault: this response fails

@@ -4,6 +4,11 @@ openai SDK's `types/realtime` models read them).
 
 Audio formats: input and output are `audio/pcm` (pcm16, little-endian, mono) at 24 kHz; the
 model hears 16 kHz float32, so committed audio is resampled once, when it becomes an item.
+
+Turn detection: new sessions have none (`turn_detection: null`), unlike OpenAI's, which default
+to server_vad. The models served here may be random tiny ones and the VAD is a plain energy
+detector (server/vad.py), so a client that wants the server to cut turns opts in with
+session.update; `server_vad` is served, `semantic_vad` (a model of its own) is not.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import numpy as np
 from omnistage.entrypoints.engines import is_pipeline
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_base64, decode_pcm16
+from omnistage.server.vad import TurnDetection, parse_turn_detection
 
 PCM_RATE = 24000              # Hz of every audio/pcm the API carries, in and out
 MODEL_RATE = 16000            # Hz the model's audio encoder reads
 PCM_FORMAT = {"type": "audio/pcm", "rate": PCM_RATE}
 DEFAULT_TEMPERATURE = 0.8     # the beta API's default; GA sessions have no temperature field
 DEFAULT_MAX_AUDIO_SECONDS = 300.0   # models without their own media limits
+MAX_ITEMS = 1024              # conversation items kept per session
 
 
 def new_id(prefix: str) -> str:
@@ -37,13 +44,16 @@ class SessionConfig:
     instructions: str = ""                # "" -> no system message (the model's own default)
     max_output_tokens: int | None = None  # None: "inf" (up to the context window)
     temperature: float = DEFAULT_TEMPERATURE   # extension (beta field): 0 is greedy
+    turn_detection: TurnDetection | None = None   # None: the client commits turns itself
 
     def to_json(self, session_id: str, model: str) -> dict:
         return {"type": "realtime", "object": "realtime.session", "id": session_id,
                 "model": model, "output_modalities": list(self.output_modalities),
                 "instructions": self.instructions,
                 "audio": {"input": {"format": PCM_FORMAT, "transcription": None,
-                                    "noise_reduction": None, "turn_detection": None},
+                                    "noise_reduction": None,
+                                    "turn_detection": None if self.turn_detection is None
+                                    else self.turn_detection.to_json()},
                           "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
                 "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
                 "max_output_tokens": _tokens_json(self.max_output_tokens),
@@ -104,12 +114,8 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities) -> Session
     for side, part in (("input", inp), ("output", output)):
         if "format" in part:
             check_format(part["format"], f"session.audio.{side}.format")
-    if inp.get("turn_detection") is not None:
-        raise InvalidRequestError(
-            "turn_detection (server_vad, semantic_vad) is not supported yet; set "
-            "session.audio.input.turn_detection to null and send input_audio_buffer.commit "
-            "and response.create yourself (nothing of this update was applied)",
-            param="session.audio.input.turn_detection")
+    if "turn_detection" in inp:
+        out.turn_detection = parse_turn_detection(inp["turn_detection"])
     if inp.get("transcription") is not None:
         raise InvalidRequestError("input audio transcription is not supported; set "
                                   "session.audio.input.transcription to null",
@@ -272,6 +278,47 @@ def parse_item(item, model: ModelAbilities, taken: set[str]) -> Item:
         else:
             parts.append(Part(kind, text=_string(p.get("text"), f"{param}.text")))
     return Item(item_id, role, parts)
+
+
+def insert_position(prev, items: list[Item]) -> int:
+    """Where conversation.item.create's item goes: after `previous_item_id` (None: at the
+    end, "root": first)."""
+    if prev is None:
+        return len(items)
+    if prev == "root":
+        return 0
+    for i, item in enumerate(items):
+        if item.id == prev:
+            return i + 1
+    raise InvalidRequestError(f"previous_item_id {prev!r} is not in the conversation",
+                              param="previous_item_id")
+
+
+def check_room(items: list[Item], item: Item, model: ModelAbilities) -> None:
+    """Refuses an item the conversation has no room for (count, or audio in all)."""
+    if len(items) >= MAX_ITEMS:
+        raise InvalidRequestError(f"the conversation holds {MAX_ITEMS} items, the most a "
+                                  "session keeps; start a new session", param="item")
+    audio = sum(i.audio_seconds() for i in items) + item.audio_seconds()
+    if audio > model.max_audio_seconds:
+        raise InvalidRequestError(
+            f"the conversation's audio would exceed {model.max_audio_seconds:g} s; "
+            "start a new session", param="item")
+
+
+def appended_pcm(event: dict, model: ModelAbilities) -> bytes:
+    """input_audio_buffer.append's audio: base64 pcm16 -> bytes (whole samples)."""
+    if not model.hears_audio:
+        raise InvalidRequestError("this model takes text only; send input_text items",
+                                  param="audio")
+    audio = event.get("audio")
+    if not isinstance(audio, str):
+        raise InvalidRequestError("audio must be a base64 string of pcm16 samples", param="audio")
+    raw = decode_base64(audio, param="audio")
+    if len(raw) % 2:
+        raise InvalidRequestError("audio must hold whole 16-bit samples (an even number of "
+                                  "bytes)", param="audio")
+    return raw
 
 
 # ---- server events ----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """GET /v1/realtime on the real server with a tiny Qwen2.5-Omni, driven by the openai SDK's
 Realtime client: text and audio turns (the transcript equals the offline API's greedy text),
-response.cancel and disconnects (the engine keeps nothing), bad events (an error event, and
-the session carries on), and the API key on the handshake."""
+response.cancel and disconnects (the engine keeps nothing), server_vad turns (an automatic
+response; speech interrupting a response), bad events (an error event, and the session carries
+on), and the API key on the handshake."""
 
 from __future__ import annotations
 
@@ -39,8 +40,13 @@ def _until(conn, last: str, deadline_s: float = DEADLINE_S) -> list:
     """Events up to and including the first of type `last` (bounded by a deadline)."""
     events, end = [], time.monotonic() + deadline_s
     while True:
-        assert time.monotonic() < end, f"no {last!r} within {deadline_s} s: {[e.type for e in events]}"
-        ev = conn.recv()
+        left = end - time.monotonic()
+        assert left > 0, f"no {last!r} within {deadline_s} s: {[e.type for e in events]}"
+        try:   # the SDK's recv() has no timeout: read the socket with one, then parse as recv() does
+            raw = conn._connection.recv(timeout=left, decode=False)
+        except TimeoutError:
+            raise AssertionError(f"no {last!r} within {deadline_s} s: {[e.type for e in events]}") from None
+        ev = conn.parse_event(raw)
         events.append(ev)
         if ev.type == last:
             return events
@@ -139,6 +145,65 @@ def test_cancel_then_disconnect_leave_nothing_in_the_engine(client, omni_server,
     assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 2
 
 
+def _silence(seconds: float) -> bytes:
+    return bytes(2 * int(seconds * 24000))
+
+
+def _append_chunks(conn, pcm: bytes, chunk: int = 4800) -> None:
+    """Appends in 100 ms chunks, as a microphone would."""
+    for i in range(0, len(pcm), chunk):
+        conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + chunk]).decode())
+
+
+def _vad_session(conn, **vad) -> None:
+    assert conn.recv().type == "session.created"
+    conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                 "temperature": 0, "max_output_tokens": 3,
+                                 "audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                                        **vad}}}})
+    td = _until(conn, "session.updated")[-1].session.audio.input.turn_detection
+    assert td.type == "server_vad" and td.prefix_padding_ms == 300 and td.threshold == 0.5
+
+
+def test_server_vad_turn_is_committed_and_answered(client):
+    with client.realtime.connect(model="tiny") as conn:
+        _vad_session(conn, silence_duration_ms=400)
+        _append_chunks(conn, _silence(1.0) + _pcm16_tone(0.6) + _silence(1.0))
+        events = _until(conn, "response.done")
+    types = [e.type for e in events]
+    assert types[:6] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.added",
+                         "conversation.item.done", "response.created"]
+    started, stopped, committed, _, item_done = events[:5]
+    assert abs(started.audio_start_ms - (1000 - 300)) <= 20        # the tone, less the padding
+    assert abs(stopped.audio_end_ms - (1600 + 400)) <= 20          # the tone, and the silence
+    assert started.item_id == stopped.item_id == committed.item_id == item_done.item.id
+    assert item_done.item.role == "user" and item_done.item.content[0].type == "input_audio"
+    done = events[-1].response
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 3
+
+
+def test_speech_during_a_response_cancels_it(client, omni_server, api_key):
+    with client.realtime.connect(model="tiny") as conn:
+        _vad_session(conn)
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Talk"}]})
+        _until(conn, "conversation.item.done")
+        conn.response.create(response={"output_modalities": ["audio"], "max_output_tokens": 4000})
+        _until(conn, "response.output_audio_transcript.delta")
+        _append_chunks(conn, _pcm16_tone(0.6) + _silence(0.8))
+        cancelled = _until(conn, "response.done")
+        types = [e.type for e in cancelled]
+        assert "input_audio_buffer.speech_started" in types
+        assert cancelled[-1].response.status == "cancelled"
+        assert cancelled[-1].response.status_details.reason == "turn_detected"
+        answered = _until(conn, "response.done")      # the turn, answered once it stopped
+        types = [e.type for e in answered]
+        assert types.index("input_audio_buffer.speech_stopped") < types.index("response.created")
+        assert answered[-1].response.usage.output_tokens == 3
+    _wait_engine_empty(omni_server, api_key)
+
+
 def test_bad_events_are_error_events_and_the_session_continues(client):
     with client.realtime.connect(model="tiny") as conn:
         assert conn.recv().type == "session.created"
@@ -149,9 +214,14 @@ def test_bad_events_are_error_events_and_the_session_continues(client):
         err = _until(conn, "error")[-1].error
         assert "base64" in err.message and err.event_id == "ev1"
         conn.session.update(session={"type": "realtime", "audio": {"input": {
-            "turn_detection": {"type": "server_vad"}}}})
+            "turn_detection": {"type": "semantic_vad"}}}})
         err = _until(conn, "error")[-1].error
-        assert "turn_detection" in err.message and err.param == "session.audio.input.turn_detection"
+        assert "semantic_vad" in err.message and err.param == "session.audio.input.turn_detection"
+        conn.session.update(session={"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "threshold": 2}}}})
+        err = _until(conn, "error")[-1].error
+        assert "[0, 1]" in err.message
+        assert err.param == "session.audio.input.turn_detection.threshold"
         conn.input_audio_buffer.commit()
         assert "empty" in _until(conn, "error")[-1].error.message
         conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}})
