@@ -129,6 +129,11 @@ class DiffusionPipeline(GraphPipeline):
             raise InvalidRequestError("image and video models take DiffusionParams, not "
                                       f"{type(params).__name__}", param="sampling_params")
         params.check(self.settings.limits)
+        if params.strength is not None and not (prompt.images and getattr(self.family, "takes_strength", False)):
+            # strength says how much of an input image to redo: only image-to-image / inpainting
+            # families read it; anywhere else it would be ignored silently
+            raise InvalidRequestError("strength applies to image-to-image and inpainting (an input "
+                                      "image to a Qwen-Image model): leave strength out", param="strength")
         if (params.layers is not None or params.resolution is not None) and not getattr(
                 self.family, "takes_layers", False):
             raise InvalidRequestError("layers and resolution apply to layered (Qwen-Image-Layered) "

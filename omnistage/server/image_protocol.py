@@ -10,11 +10,12 @@ from __future__ import annotations
 import base64
 import io
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator,
+                      ValidationError)
 
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InvalidRequestError
@@ -24,6 +25,28 @@ _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 MASK_FORMATS = ("PNG", "WEBP")      # formats that carry the alpha channel OpenAI's masks use
 
 
+def _not_bool(value):
+    """JSON true/false are not numbers: pydantic's lax mode (needed for multipart's strings)
+    would read them as 1 / 0, so that `"n": true` asked for one image."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+def _bool(value) -> bool:
+    """A JSON boolean, or multipart's 'true' / 'false'; not 1, 'yes' or 'on' (lax mode's)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError("must be true or false")
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+Bool = Annotated[bool, PlainValidator(_bool)]
+
+
 class DiffusionFields(BaseModel):
     """Extensions shared by every endpoint (OpenAI SDK: extra_body={...})."""
     model_config = ConfigDict(extra="ignore")
@@ -31,28 +54,28 @@ class DiffusionFields(BaseModel):
     model: str | None = None                      # None: the served model
     prompt: str = Field(max_length=32000)         # blank: the engine decides (some models caption)
     negative_prompt: str | None = Field(None, max_length=32000)
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = Field(None, allow_inf_nan=False)
-    true_cfg_scale: float | None = Field(None, allow_inf_nan=False)
-    guidance_scale_2: float | None = Field(None, allow_inf_nan=False)   # Wan2.2's low-noise expert
-    strength: float | None = Field(None, allow_inf_nan=False)  # image-to-image / inpainting
-    seed: int | None = None
+    num_inference_steps: Int | None = None
+    guidance_scale: Float | None = Field(None, allow_inf_nan=False)
+    true_cfg_scale: Float | None = Field(None, allow_inf_nan=False)
+    guidance_scale_2: Float | None = Field(None, allow_inf_nan=False)   # Wan2.2's low-noise expert
+    strength: Float | None = Field(None, allow_inf_nan=False)  # image-to-image / inpainting
+    seed: Int | None = None
     cache: Literal["none", "teacache", "fbcache"] | None = None
-    cache_threshold: float | None = Field(None, allow_inf_nan=False)
+    cache_threshold: Float | None = Field(None, allow_inf_nan=False)
 
 
 class ImageRequest(DiffusionFields):
     """/v1/images/generations (JSON) and /v1/images/edits (multipart form fields)."""
-    n: int = 1
+    n: Int = 1
     size: str | None = "auto"
     response_format: Literal["b64_json", "url"] | None = None
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
+    output_compression: Int | None = Field(None, ge=0, le=100)
     # A hint OpenAI's models follow; ours give what the model makes (RGB: opaque, layered
     # models: RGBA), and the response's `background` says which.
     background: Literal["transparent", "opaque", "auto"] | None = None
-    stream: bool = False                          # multipart sends 'true' / 'false'
-    partial_images: int | None = Field(None, ge=0, le=3)
+    stream: Bool = False                          # multipart sends 'true' / 'false'
+    partial_images: Int | None = Field(None, ge=0, le=3)
 
     def check_output(self) -> None:
         if self.response_format == "url":
@@ -76,9 +99,9 @@ class VideoRequest(DiffusionFields):
     `num_frames` does: seconds * fps + 1 frames (the first frame is time 0, as Wan's 81 frames
     are 5 s at 16 fps)."""
     size: str | None = None
-    seconds: str | float | None = None
-    num_frames: int | None = None
-    fps: int = Field(16, ge=1, le=120)
+    seconds: Annotated[str | float | None, BeforeValidator(_not_bool)] = None
+    num_frames: Int | None = None
+    fps: Int = Field(16, ge=1, le=120)
 
     def params(self, max_frames: int) -> DiffusionParams:
         width, height = parse_size(self.size)
@@ -113,7 +136,9 @@ def validated(cls: type[BaseModel], data: dict) -> BaseModel:
         return cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ())) or None
+        # The fields are flat: the first part names the field; more parts name a member of a
+        # union ('seconds.str'), which is no field of the API.
+        loc = str(err["loc"][0]) if err.get("loc") else None
         raise InvalidRequestError(f"{loc or 'body'}: {err.get('msg', 'invalid value')}",
                                   param=loc) from None
 

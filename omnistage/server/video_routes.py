@@ -129,13 +129,16 @@ async def _read_body(request: Request) -> tuple[dict, bytes | None]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"the request body is not valid JSON ({e}); send JSON or "
                                   "multipart/form-data") from None
+    except RecursionError:          # json.loads recurses once per nesting level
+        raise InvalidRequestError("the request body nests too deeply; send a flat JSON object "
+                                  "of the request's fields") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     ref = body.pop("input_reference", None)
     if ref is not None and not isinstance(ref, dict):
         raise InvalidRequestError("input_reference must be {\"image_url\": \"data:...\"} in JSON "
                                   "(or a file part in multipart)", param="input_reference")
-    return body, _reference(ref) if ref else None
+    return body, _reference(ref) if ref is not None else None    # {} too: a mistake, not "none"
 
 
 def _reference(ref: dict) -> bytes:

@@ -173,3 +173,9 @@ def test_a_mask_is_refused(edit_omni):
 def test_a_single_array_image_is_accepted(edit_omni):
     out = edit_omni.generate({"prompt": "a cat", "image": IMG_A}, params(0, height=32, width=32))[0]
     assert out.pixels[0].shape == (32, 32, 3)
+
+
+def test_strength_is_refused_by_edit_models(edit_omni):
+    with pytest.raises(InvalidRequestError) as e:
+        edit_omni.generate({"prompt": "a cat", "image": [IMG_A]}, params(0, strength=0.5))
+    assert e.value.param == "strength"

@@ -53,6 +53,7 @@ class QwenImageFamily:
     is_video = False
     default_steps = 50
     default_true_cfg = 4.0
+    takes_strength = True        # with an input image: image-to-image / inpainting (qwen_image_inpaint.py)
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
         index = load_components(self, folder, device, dtype)

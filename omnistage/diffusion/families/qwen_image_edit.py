@@ -100,6 +100,7 @@ class QwenImageEditFamily(QwenImageFamily):
     name = "qwen_image_edit"
     max_images = 1
     size_source = 0        # the input image whose aspect ratio sets the default output size
+    takes_strength = False  # the edit pipelines have no strength
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
         super().__init__(folder, device, dtype)

@@ -63,6 +63,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
     name = "qwen_image_layered"
     input_channels = 4            # DiffusionPipeline.prepare keeps the images' alpha (H, W, 4)
     takes_layers = True           # DiffusionParams.layers / .resolution apply
+    takes_strength = False
     captions_blank_prompt = True  # ... and lets a blank prompt through (captioned in encode)
 
     def __init__(self, folder, device: torch.device, dtype: torch.dtype):
