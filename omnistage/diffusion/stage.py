@@ -75,7 +75,7 @@ class DiffusionStage:
         return bool(self._pending or self._running)
 
     def num_requests(self) -> int:
-        return len(self._pending) + len(self._running)
+        return len(self._pending.keys() | self._running.keys())
 
     def num_jobs(self) -> int:
         """Samples being denoised (the tests count them after abort)."""
@@ -98,9 +98,11 @@ class DiffusionStage:
     def step(self) -> list[StageOutput]:
         self._clock += 1
         outs: list[StageOutput] = []
-        for _ in range(min(self.settings.admit_per_step, len(self._pending))):
-            rid, req = self._pending.popitem(last=False)
-            outs += self._admit(req)
+        for rid in list(self._pending)[: self.settings.admit_per_step]:
+            # left in _pending until admitted: other threads reading num_requests() (metrics)
+            # never see the request missing while its prompt is being encoded
+            outs += self._admit(self._pending[rid])
+            self._pending.pop(rid, None)
         batch = self._pick()
         self.last_batch_jobs = len(batch)
         if batch:
