@@ -55,10 +55,12 @@ def _write(path: Path, frames: np.ndarray, fps: int, codec: str) -> None:
         stream = box.add_stream(codec, rate=Fraction(fps, 1))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
-            stream.options = {"crf": str(QUALITY_CRF), "preset": "medium"}
+            # one encoder thread: the same frames give the same bytes, even on a busy machine
+            # (a threaded run differed once in CI); our videos are small
+            stream.options = {"crf": str(QUALITY_CRF), "preset": "medium", "threads": "1"}
         else:
             # fixed quantiser, as ffmpeg's -q:v (global_quality is in lambda units: x118)
-            stream.options = {"flags": "+qscale", "global_quality": str(MPEG4_QSCALE * 118)}
+            stream.options = {"flags": "+qscale", "global_quality": str(MPEG4_QSCALE * 118), "threads": "1"}
         for pixels in frames:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
             for packet in stream.encode(frame):
