@@ -134,6 +134,10 @@ class DiffusionPipeline(GraphPipeline):
             # families read it; anywhere else it would be ignored silently
             raise InvalidRequestError("strength applies to image-to-image and inpainting (an input "
                                       "image to a Qwen-Image model): leave strength out", param="strength")
+        if params.cache not in (None, "none") and not getattr(self.family, "supports_cache", False):
+            # (the server default cache, applied below, is skipped quietly for such models)
+            raise InvalidRequestError("this model has no step cache; leave cache out or use 'none'",
+                                      param="cache")
         if (params.layers is not None or params.resolution is not None) and not getattr(
                 self.family, "takes_layers", False):
             raise InvalidRequestError("layers and resolution apply to layered (Qwen-Image-Layered) "
@@ -144,7 +148,8 @@ class DiffusionPipeline(GraphPipeline):
         if params.seed is None:
             updates["seed"] = secrets.randbelow(2**63)
         if params.cache is None:
-            updates["cache"] = self.settings.default_cache
+            updates["cache"] = (self.settings.default_cache if getattr(self.family, "supports_cache", False)
+                                else "none")
         return msgspec.structs.replace(params, **updates) if updates else params
 
     def add_request(self, request_id: str, prompt: DiffusionPrompt, params: DiffusionParams | None) -> None:

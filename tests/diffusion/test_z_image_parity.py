@@ -117,3 +117,11 @@ def test_bad_input_raises_typed_errors(omni, prompt, bad, param):
         omni.generate(prompt, DiffusionParams(**{"height": 32, "width": 32, "num_inference_steps": 2, **bad}))
     assert e.value.param == param
     assert not omni.engine.requests                    # nothing left behind
+
+
+def test_a_step_cache_is_refused_where_there_is_none(omni):
+    from omnistage.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as e:
+        omni.generate("a cat", DiffusionParams(height=32, width=32, num_inference_steps=2, cache="teacache"))
+    assert e.value.param == "cache"

@@ -54,6 +54,7 @@ class QwenImageFamily:
     default_steps = 50
     default_true_cfg = 4.0
     takes_strength = True        # with an input image: image-to-image / inpainting (qwen_image_inpaint.py)
+    supports_cache = True        # step caches (transformer_runner.py)
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
         index = load_components(self, folder, device, dtype)

@@ -97,6 +97,7 @@ class WanFamily:
     default_steps = 50
     default_guidance = 5.0
     sets_begin_index = True        # WanPipeline calls scheduler.set_begin_index(0)
+    supports_cache = True          # step caches (run_transformer)
 
     def __init__(self, folder: str | Path, device: torch.device, dtype: torch.dtype):
         index = read_model_index(folder)
