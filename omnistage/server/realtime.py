@@ -1,13 +1,13 @@
 """GET /v1/realtime: OpenAI's Realtime API (GA events) over a WebSocket, for omni and text models.
 
-One `RealtimeSession` per connection keeps the conversation (items with text, and audio already
-at the model's 16 kHz) and the input audio buffer. Each response.create runs the whole
-conversation as a chat through `engine.generate` in its own task, streaming text and speech as
-events; one response at a time. response.cancel, and a disconnect, leave that stream, which
-aborts the request in every stage. Turn detection is off by default (see realtime_events): the
-client commits the buffer and asks for responses. With `server_vad` (server/vad.py) each turn
-is speech_started (cancelling a running response: interrupt_response), speech_stopped, the
-turn committed as a user item, and a response (create_response).
+One `RealtimeSession` per connection keeps the conversation (realtime_items) and the input
+audio buffer. Each response.create runs the whole conversation as a chat through
+`engine.generate` in its own task, streaming text and speech as events; one response at a time.
+response.cancel, and a disconnect, leave that stream, which aborts the request in every stage.
+Turn detection is off by default (see realtime_events): the client commits the buffer and asks
+for responses. With `server_vad` (server/vad.py) each turn is speech_started (cancelling a
+running response: interrupt_response), speech_stopped, the turn committed as a user item, and a
+response (create_response).
 
 Client mistakes become `error` events (type invalid_request_error, with the offending event's
 id) and the session carries on; a refused handshake (key, model, draining, image models) is an
@@ -37,6 +37,7 @@ from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfi
                                               insert_position, model_abilities, new_id,
                                               parse_item, response_config, response_json,
                                               update_config, usage_json)
+from omnistage.server.realtime_items import Conversation
 from omnistage.server.vad import InputAudioBuffer, VadEvent
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class RealtimeSession:
         self.model = model_abilities(engine)
         self.cfg = default_config(self.model)
         self.id = new_id("sess")
-        self.items: list[Item] = []
+        self.conv = Conversation(self.model)
         self.buffer = InputAudioBuffer(PCM_RATE)  # with a detector while server_vad is on
         self.turn_item: str | None = None  # the item id speech_started announced
         self.active: _Response | None = None
@@ -112,6 +113,9 @@ class RealtimeSession:
             "input_audio_buffer.commit": self._commit,
             "input_audio_buffer.clear": self._clear,
             "conversation.item.create": self._item_create,
+            "conversation.item.delete": self._item_event,
+            "conversation.item.truncate": self._item_event,
+            "conversation.item.retrieve": self._item_event,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
         }
@@ -198,11 +202,10 @@ class RealtimeSession:
     async def _commit_audio(self, raw: bytes, item_id: str) -> None:
         part = await asyncio.to_thread(audio_part, raw, self.model.max_audio_seconds, "audio")
         item = Item(item_id, "user", [part])
-        check_room(self.items, item, self.model)
-        previous = self.items[-1].id if self.items else None
+        check_room(self.conv.items, item, self.model)
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id,
-                         "previous_item_id": previous})
-        await self._add_item(item, len(self.items))
+                         "previous_item_id": self.conv.last_id()})
+        await self._add_item(item, len(self.conv.items))
 
     async def _clear(self, event: dict) -> None:
         self.buffer.take()
@@ -228,17 +231,19 @@ class RealtimeSession:
 
     # ---- conversation -----------------------------------------------------------------------
     async def _item_create(self, event: dict) -> None:
-        at = insert_position(event.get("previous_item_id"), self.items)
-        taken = {i.id for i in self.items}
+        at = insert_position(event.get("previous_item_id"), self.conv.items)
+        taken = {i.id for i in self.conv.items}
         item = await asyncio.to_thread(parse_item, event.get("item"), self.model, taken)
         await self._add_item(item, at)
 
     async def _add_item(self, item: Item, at: int) -> None:
-        check_room(self.items, item, self.model)
-        self.items.insert(at, item)
-        previous = self.items[at - 1].id if at > 0 else None
+        previous = self.conv.insert(item, at)
         for kind in ("conversation.item.added", "conversation.item.done"):
             await self.send({"type": kind, "previous_item_id": previous, "item": item.to_json()})
+
+    async def _item_event(self, event: dict) -> None:
+        """conversation.item.delete / truncate / retrieve (a running response keeps its input)"""
+        await self.send(await self.conv.answer(event))
 
     # ---- responses --------------------------------------------------------------------------
     async def _response_create(self, event: dict) -> None:
@@ -250,7 +255,7 @@ class RealtimeSession:
                                    event.get("event_id"))
 
     async def _start_response(self, cfg: SessionConfig, event_id: str | None = None) -> None:
-        if not self.items:
+        if not self.conv.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
         if self.engine.engine.num_waiting_requests() >= self.max_queued:
@@ -260,11 +265,7 @@ class RealtimeSession:
             return
         r = _Response(new_id("resp"), cfg)
         self.active = r
-        r.task = asyncio.create_task(self._respond(r, self._messages(cfg)))
-
-    def _messages(self, cfg: SessionConfig) -> list[dict]:
-        system = [{"role": "system", "content": cfg.instructions}] if cfg.instructions else []
-        return system + [i.message() for i in self.items]
+        r.task = asyncio.create_task(self._respond(r, self.conv.messages(cfg.instructions)))
 
     async def _response_cancel(self, event: dict) -> None:
         r = self.active
@@ -342,13 +343,13 @@ class RealtimeSession:
             await self._send_delta(r, d, speaks)
 
     async def _open_item(self, r: _Response, speaks: bool) -> None:
-        r.item = Item(new_id("item"), "assistant",
-                      [Part("output_audio" if speaks else "output_text")], status="in_progress")
+        part = Part("output_audio", pcm=bytearray()) if speaks else Part("output_text")
+        r.item = Item(new_id("item"), "assistant", [part], status="in_progress")
         shown = {**r.item.to_json(), "content": []}
         await self.send({"type": "response.output_item.added", "response_id": r.id,
                          "output_index": 0, "item": shown})
-        previous = self.items[-1].id if self.items else None
-        self.items.append(r.item)
+        previous = self.conv.last_id()
+        self.conv.items.append(r.item)
         await self.send({"type": "conversation.item.added", "previous_item_id": previous,
                          "item": shown})
         part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
@@ -365,6 +366,7 @@ class RealtimeSession:
             await self.send({"type": kind, **self._where(r), "delta": d.text})
         if d.audio is not None and speaks:
             pcm = encode_audio(d.audio, d.sample_rate, "pcm")   # 16-bit little-endian at 24 kHz
+            self.conv.keep_audio(r.item, pcm)
             await self.send({"type": "response.output_audio.delta", **self._where(r),
                              "delta": base64.b64encode(pcm).decode()})
 
@@ -384,9 +386,8 @@ class RealtimeSession:
             r.item.status = "completed" if status == "completed" else "incomplete"
             await self.send({"type": "response.output_item.done", "response_id": r.id,
                              "output_index": 0, "item": r.item.to_json()})
-            idx = self.items.index(r.item) if r.item in self.items else 0
             await self.send({"type": "conversation.item.done", "item": r.item.to_json(),
-                             "previous_item_id": self.items[idx - 1].id if idx > 0 else None})
+                             "previous_item_id": self.conv.previous_id(r.item.id)})
             output = [r.item]
         if self.active is r:      # a response.create that answers response.done is welcome
             self.active = None

@@ -203,6 +203,9 @@ class Part:
     type: str                             # input_text | input_audio | output_text | output_audio
     text: str = ""                        # the text, or an output_audio part's transcript
     audio: np.ndarray | None = None       # input_audio: (N,) float32 at MODEL_RATE
+    # output_audio: the pcm16 at PCM_RATE the client was sent (realtime_items bounds it);
+    # None once dropped to make room, or for other parts
+    pcm: bytearray | None = None
 
     def to_json(self) -> dict:
         if self.type == "input_audio":

@@ -294,3 +294,125 @@ def test_image_models_refuse_the_handshake():
             TestClient(build_app(engine, "m")).websocket_connect("/v1/realtime?model=m"):
         pass
     assert e.value.status_code == 400 and "images or video" in e.value.json()["error"]["message"]
+
+
+def _say(conn, text: str) -> str:
+    conn.conversation.item.create(item={"type": "message", "role": "user",
+                                        "content": [{"type": "input_text", "text": text}]})
+    return _until(conn, "conversation.item.done")[-1].item.id
+
+
+def _error(conn, **event) -> object:
+    conn.send(event)
+    return _until(conn, "error")[-1].error
+
+
+def test_truncate_and_retrieve_assistant_audio(client):
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        user_id = _say(conn, "Talk")
+        conn.response.create(response={"output_modalities": ["audio"], "max_output_tokens": 6})
+        events = _until(conn, "response.done", deadline_s=60)
+        item = events[-1].response.output[0]
+        sent = b"".join(base64.b64decode(e.delta) for e in events
+                        if e.type == "response.output_audio.delta")
+        assert len(sent) > 4800 and item.content[0].transcript
+        conn.conversation.item.retrieve(item_id=item.id)
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+        assert base64.b64decode(got.content[0].audio) == sent          # kept as it was sent
+        assert got.content[0].transcript == item.content[0].transcript
+
+        duration_ms = len(sent) // 2 * 1000 // 24000
+        for bad, param in [({"audio_end_ms": duration_ms + 1}, "audio_end_ms"),
+                           ({"audio_end_ms": -1}, "audio_end_ms"),
+                           ({"content_index": 1}, "content_index"),
+                           ({"item_id": user_id}, "item_id"),
+                           ({"item_id": "item_nope"}, "item_id")]:
+            event = {"type": "conversation.item.truncate", "item_id": item.id,
+                     "content_index": 0, "audio_end_ms": 100, **bad}
+            err = _error(conn, **event, event_id="ev_bad")
+            assert err.param == param and err.event_id == "ev_bad", (bad, err)
+        assert str(duration_ms) in _error(conn, type="conversation.item.truncate", item_id=item.id,
+                                          content_index=0, audio_end_ms=duration_ms + 1).message
+
+        conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=100)
+        done = _until(conn, "conversation.item.truncated")[-1]
+        assert (done.item_id, done.content_index, done.audio_end_ms) == (item.id, 0, 100)
+        conn.conversation.item.retrieve(item_id=item.id)
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+        assert base64.b64decode(got.content[0].audio) == sent[:2400 * 2]   # 100 ms at 24 kHz
+        assert got.content[0].transcript == ""     # OpenAI deletes the unheard transcript
+
+        conn.conversation.item.retrieve(item_id=user_id)   # a text item: no audio
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+        assert got.content[0].text == "Talk" and got.content[0].audio is None
+        conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 2})
+        assert _until(conn, "response.done")[-1].response.status in ("completed", "incomplete")
+
+
+def test_retrieve_returns_committed_audio(client):
+    pcm = _pcm16_tone(0.5)
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        conn.input_audio_buffer.commit()
+        item_id = _until(conn, "conversation.item.done")[-1].item.id
+        conn.conversation.item.retrieve(item_id=item_id)
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+    assert got.role == "user" and got.content[0].type == "input_audio"
+    back = np.frombuffer(base64.b64decode(got.content[0].audio), dtype="<i2").astype(np.float32)
+    want = np.frombuffer(pcm, dtype="<i2").astype(np.float32)
+    assert abs(back.size - want.size) <= 48       # 24 kHz again, after the model's 16 kHz
+    n = min(back.size, want.size) - 200
+    assert np.abs(back[100:n] - want[100:n]).max() < 0.02 * 32767
+
+
+def _text_of(events: list) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_deleted_items_are_gone_from_later_responses(client):
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                     "temperature": 0, "max_output_tokens": 6})
+        _until(conn, "session.updated")
+        _say(conn, "Hello sea")
+        conn.response.create()
+        first = _until(conn, "response.done")
+        later = [first[-1].response.output[0].id, _say(conn, "Tell me more about boats")]
+        conn.response.create()
+        second = _until(conn, "response.done")
+        assert _text_of(second) != _text_of(first)    # else deletion could not show
+        for item_id in later:
+            conn.conversation.item.delete(item_id=item_id)
+            assert _until(conn, "conversation.item.deleted")[-1].item_id == item_id
+        err = _error(conn, type="conversation.item.delete", item_id=later[0])
+        assert err.param == "item_id" and "not in the conversation" in err.message
+        assert _error(conn, type="conversation.item.retrieve", item_id=later[1]).param == "item_id"
+        conn.send({"type": "conversation.item.delete", "item_id": second[-1].response.output[0].id})
+        _until(conn, "conversation.item.deleted")
+        conn.response.create()                      # the conversation is ["Hello sea"] again
+        assert _text_of(_until(conn, "response.done")) == _text_of(first)
+
+
+def test_kept_assistant_audio_is_bounded():
+    """No server: a session keeps at most max_audio_seconds of assistant audio (oldest dropped)."""
+    from omnistage.errors import InvalidRequestError
+    from omnistage.server.realtime_events import Item, ModelAbilities, Part
+    from omnistage.server.realtime_items import Conversation
+
+    conv = Conversation(ModelAbilities(speakers=["v"], hears_audio=True, max_audio_seconds=0.1))
+    old, new = (Item(f"item_{k}", "assistant", [Part("output_audio", text="hi", pcm=bytearray())])
+                for k in range(2))
+    conv.items += [old, new]
+    conv.keep_audio(old, bytes(2 * 1200))            # 50 ms
+    conv.keep_audio(new, bytes(2 * 1800))            # 75 ms: the old item's audio makes room
+    assert old.parts[0].pcm is None and len(new.parts[0].pcm) == 2 * 1800
+    conv.keep_audio(new, bytes(2 * 1200))            # past the bound: only 25 ms more is kept
+    assert len(new.parts[0].pcm) == 2 * 2400
+    with pytest.raises(InvalidRequestError, match="no longer kept") as e:
+        conv.truncate("item_0", 0, 10)
+    assert e.value.param == "item_id"
+    conv.truncate("item_1", 0, 100)                  # all of what is kept: allowed
+    assert new.parts[0].text == "" and len(new.parts[0].pcm) == 2 * 2400
