@@ -21,7 +21,7 @@ shares the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol
+from typing import Any, Hashable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -85,3 +85,17 @@ class DiffusionFamily(Protocol):
 
     def decode(self, job: DenoiseJob) -> np.ndarray:
         """float32 pixels in [0, 1]: (H, W, 3) for an image, (F, H, W, 3) for a video."""
+
+
+def cfg_rows(jobs: list[DenoiseJob]) -> Iterator[tuple[DenoiseJob, int, int | None]]:
+    """The rows of a batched forward, as every family lays them out: each job's conditional
+    row, then its unconditional row when it runs CFG (`job.cond.neg_embeds` is not None).
+    Yields (job, conditional row, unconditional row or None)."""
+    r = 0
+    for job in jobs:
+        if job.cond.neg_embeds is None:
+            yield job, r, None
+            r += 1
+        else:
+            yield job, r, r + 1
+            r += 2

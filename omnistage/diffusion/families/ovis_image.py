@@ -21,7 +21,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image import pack, to_pixels, unpack
-from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -160,14 +160,11 @@ class OvisImageFamily:
                                timestep=torch.stack(rows_t), img_ids=c0.img_ids, txt_ids=c0.txt_ids,
                                return_dict=False)[0]                      # (R, L (+ L_in), 4C)
         out = out[:, : jobs[0].latents.shape[1]]
-        preds, r = [], 0
-        for job in jobs:
+        preds = []
+        for job, r, rn in cfg_rows(jobs):
             pos = out[r:r + 1]
-            r += 1
-            if job.cond.neg_embeds is not None:
-                neg = out[r:r + 1]
-                r += 1
-                pos = self.guide(pos, neg, job.cond)
+            if rn is not None:
+                pos = self.guide(pos, out[rn:rn + 1], job.cond)
             preds.append(pos)
         return preds
 

@@ -21,7 +21,7 @@ import torch
 
 from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.components import load_component, load_components
-from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -153,14 +153,12 @@ class QwenImageFamily:
         img_shapes = [list(jobs[0].cond.img_shapes)] * len(rows_x)
         out = self.runner(x, txt, mask, t, img_shapes, jobs, owners)       # (R, L(+L_in), 4C)
         out = out[:, : jobs[0].latents.shape[1]]
-        preds, r = [], 0
-        for job in jobs:
-            if job.cond.neg_embeds is None:
+        preds = []
+        for job, r, rn in cfg_rows(jobs):
+            if rn is None:
                 preds.append(out[r:r + 1])
-                r += 1
                 continue
-            cond, neg = out[r:r + 1], out[r + 1:r + 2]
-            r += 2
+            cond, neg = out[r:r + 1], out[rn:rn + 1]
             comb = neg + job.cond.cfg_scale * (cond - neg)
             # keep the conditional prediction's norm per token (Qwen-Image's true CFG)
             preds.append(comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True)))

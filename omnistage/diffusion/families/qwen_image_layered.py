@@ -36,7 +36,7 @@ from PIL import Image
 from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.families.qwen_image import QwenCond, QwenImageFamily, pack, pad_rows, unpack
 from omnistage.diffusion.families.qwen_image_edit import LatentCache, calculate_dimensions
-from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, seeded_noise
@@ -204,14 +204,12 @@ class QwenImageLayeredFamily(QwenImageFamily):
         img_shapes = [list(jobs[0].cond.img_shapes)] * len(rows_x)
         out = self.runner(x, txt, mask, t, img_shapes, jobs, owners, t_cond=is_rgb)
         out = out[:, : jobs[0].latents.shape[1]]                               # drop the condition's tokens
-        preds, r = [], 0
-        for job in jobs:
-            if job.cond.neg_embeds is None:
+        preds = []
+        for job, r, rn in cfg_rows(jobs):
+            if rn is None:
                 preds.append(out[r:r + 1])
-                r += 1
             else:
-                cond, neg = out[r:r + 1], out[r + 1:r + 2]
-                r += 2
+                cond, neg = out[r:r + 1], out[rn:rn + 1]
                 preds.append(neg + job.cond.cfg_scale * (cond - neg))         # no norm rescale
         return preds
 

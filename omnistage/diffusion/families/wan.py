@@ -33,7 +33,7 @@ from PIL import Image
 
 from omnistage.diffusion.cache import StepCache, cached_stack
 from omnistage.diffusion.components import load_component, read_model_index
-from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import seeded_noise
@@ -244,14 +244,12 @@ class WanFamily:
         img = None if rows_img[0] is None else torch.cat(rows_img)       # (R, 257, D_img)
         out = run_transformer(model, torch.cat(rows_x), torch.stack(rows_t), torch.stack(rows_txt),
                               img, jobs, owners)                          # (R, C, F_lat, h, w)
-        preds, r = [], 0
-        for job in jobs:
-            if job.cond.neg_embeds is None:
+        preds = []
+        for job, r, rn in cfg_rows(jobs):
+            if rn is None:
                 preds.append(out[r:r + 1])
-                r += 1
                 continue
-            cond, uncond = out[r:r + 1], out[r + 1:r + 2]
-            r += 2
+            cond, uncond = out[r:r + 1], out[rn:rn + 1]
             preds.append(uncond + job.cond.scales[expert] * (cond - uncond))
         return preds
 

@@ -19,7 +19,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image import to_pixels
-from omnistage.diffusion.family import DenoiseJob
+from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -118,14 +118,11 @@ class ZImageFamily:
                     caps.append(embeds)
                     ts.append(t)
         out = self.transformer(xs, torch.stack(ts), caps, return_dict=False)[0]   # R x (C, 1, h, w)
-        preds, r = [], 0
-        for job in jobs:
+        preds = []
+        for job, r, rn in cfg_rows(jobs):
             pos = out[r].float()
-            r += 1
-            if job.cond.neg_embeds is not None:
-                neg = out[r].float()
-                r += 1
-                pos = pos + job.cond.scale * (pos - neg)
+            if rn is not None:
+                pos = pos + job.cond.scale * (pos - out[rn].float())
             # the transformer predicts (clean - noise); the scheduler steps with its negation
             preds.append(-pos.squeeze(1).unsqueeze(0))                       # (1, C, h, w)
         return preds
