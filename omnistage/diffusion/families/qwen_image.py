@@ -125,10 +125,16 @@ class QwenImageFamily:
         noise = seeded_noise((p.n, 1, self.latent_channels, h, w), p.seed, self.device, self.dtype)
         packed = pack(noise[:, 0])                                        # (n, L, 4C)
         mu = resolution_shift(packed.shape[1], self.scheduler.config)
-        key = (cond.img_shapes, cond.neg_embeds is not None)
+        return self._jobs(request, packed, cond, (cond.img_shapes, cond.neg_embeds is not None), mu=mu)
+
+    def _jobs(self, request: DiffusionRequest, packed: torch.Tensor, cond: QwenCond, key,
+              **schedule) -> list[DenoiseJob]:
+        """One job per sample of `packed` (n, L, 4C) noise, each with its own scheduler
+        (`schedule`: set_timesteps arguments, e.g. mu, sigmas) and step cache."""
+        p = request.params
         jobs = []
         for i in range(p.n):
-            sched, timesteps = job_scheduler(self.scheduler, p.num_inference_steps, self.device, mu=mu)
+            sched, timesteps = job_scheduler(self.scheduler, p.num_inference_steps, self.device, **schedule)
             cache = StepCache.for_request(p.cache, p.cache_threshold, len(timesteps))
             jobs.append(DenoiseJob(request.request_id, i, packed[i:i + 1], sched, timesteps, cond, key,
                                    cache=cache))

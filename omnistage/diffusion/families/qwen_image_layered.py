@@ -33,13 +33,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.families.qwen_image import QwenCond, QwenImageFamily, pack, pad_rows, unpack
 from omnistage.diffusion.families.qwen_image_edit import LatentCache, calculate_dimensions
 from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.schedule import job_scheduler, seeded_noise
+from omnistage.diffusion.schedule import seeded_noise
 from omnistage.errors import InvalidRequestError, ModelLoadError
 
 RESOLUTIONS = (640, 1024)     # the pipeline's buckets (it asserts one of them)
@@ -176,14 +175,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
         mu = (cond.image_latents.shape[1] / BASE_SEQ_LEN) ** 0.5
         sigmas = np.linspace(1.0, 0, p.num_inference_steps + 1)[:-1]
         key = ("layered", cond.img_shapes, cond.neg_embeds is not None)
-        jobs = []
-        for i in range(p.n):
-            sched, timesteps = job_scheduler(self.scheduler, p.num_inference_steps, self.device,
-                                             sigmas=sigmas, mu=mu)
-            cache = StepCache.for_request(p.cache, p.cache_threshold, len(timesteps))
-            jobs.append(DenoiseJob(request.request_id, i, packed[i:i + 1], sched, timesteps, cond, key,
-                                   cache=cache))
-        return jobs
+        return self._jobs(request, packed, cond, key, sigmas=sigmas, mu=mu)
 
     # ---- 3. one batched forward --------------------------------------------------------------
     def predict(self, jobs: list[DenoiseJob]) -> list[torch.Tensor]:
