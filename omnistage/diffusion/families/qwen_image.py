@@ -102,8 +102,10 @@ class QwenImageFamily:
         """(T, D): the text encoder's last hidden states of the templated prompt, template dropped."""
         tok = self.tokenizer([PROMPT_TEMPLATE.format(text)], max_length=TOKENIZER_MAX + TEMPLATE_DROP,
                              truncation=True, return_tensors="pt").to(self.device)
-        out = self.text_encoder(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
-                                output_hidden_states=True)
+        # .model: the hidden states without the LM head (Qwen2.5-VL-7B's head would add
+        # ~1 GFLOP per prompt token for logits nobody reads)
+        out = self.text_encoder.model(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
+                                      output_hidden_states=True)
         return out.hidden_states[-1][0, TEMPLATE_DROP:][:MAX_SEQUENCE_LENGTH].to(self.dtype)
 
     def encode(self, request: DiffusionRequest) -> QwenCond:

@@ -180,9 +180,9 @@ class QwenImageEditFamily(QwenImageFamily):
         prompt, the first 64 template tokens dropped (no truncation, as the pipelines)."""
         inputs = self.processor(text=[self.prompt_text(prompt, len(images))], images=images, padding=True,
                                 return_tensors="pt").to(self.device)
-        out = self.text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                pixel_values=inputs.get("pixel_values"),
-                                image_grid_thw=inputs.get("image_grid_thw"), output_hidden_states=True)
+        out = self.text_encoder.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                      pixel_values=inputs.get("pixel_values"),
+                                      image_grid_thw=inputs.get("image_grid_thw"), output_hidden_states=True)
         return out.hidden_states[-1][0, EDIT_TEMPLATE_DROP:].to(self.dtype)
 
     def _encode_image(self, image: Image.Image, size: tuple[int, int]) -> torch.Tensor:
