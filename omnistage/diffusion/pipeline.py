@@ -18,7 +18,7 @@ from PIL import Image
 from omnistage.config import EngineConfig
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.recipe import (DiffusionSettings, build_router, build_stage,
+from omnistage.diffusion.recipe import (DiffusionSettings, build_family, build_router, build_stage,
                                         pipeline_class, stage_names)
 from omnistage.errors import InvalidRequestError
 from omnistage.graph import GraphPipeline, StageGraph
@@ -185,7 +185,4 @@ def _local_family(stages):
 def _light_family(config: EngineConfig):
     """The stage runs elsewhere: this process still resolves requests (sizes, defaults), which
     needs the components' configs but not their weights: build them on the meta device."""
-    from omnistage.diffusion.families import family_class
-    from omnistage.diffusion.recipe import model_dtype
-
-    return family_class(pipeline_class(config.model))(config.model, torch.device("meta"), model_dtype(config))
+    return build_family(config, torch.device("meta"))

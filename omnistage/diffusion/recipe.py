@@ -46,8 +46,10 @@ def model_dtype(config: EngineConfig) -> torch.dtype:
     return config.torch_dtype(None)
 
 
-def build_family(config: EngineConfig):
-    return family_class(pipeline_class(config.model))(config.model, config.torch_device, model_dtype(config))
+def build_family(config: EngineConfig, device: torch.device | None = None):
+    """The model's family on `device` (default: the config's; "meta": configs only, no weights)."""
+    return family_class(pipeline_class(config.model))(config.model, device or config.torch_device,
+                                                      model_dtype(config))
 
 
 def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) -> DiffusionStage:
