@@ -28,6 +28,7 @@ import torch
 
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
+from omnistage.errors import InvalidRequestError
 
 
 @dataclass
@@ -99,3 +100,10 @@ def cfg_rows(jobs: list[DenoiseJob]) -> Iterator[tuple[DenoiseJob, int, int | No
         else:
             yield job, r, r + 1
             r += 2
+
+
+def check_size(height: int, width: int, multiple: int) -> None:
+    """Output sizes must be whole latent patches: both sides multiples of `multiple` pixels."""
+    if height % multiple or width % multiple:
+        raise InvalidRequestError(f"size {width}x{height}: width and height must be multiples of "
+                                  f"{multiple} for this model", param="size")

@@ -21,7 +21,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image import pack, to_pixels, unpack
-from omnistage.diffusion.family import DenoiseJob, cfg_rows
+from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -67,9 +67,7 @@ class OvisImageFamily:
                                       param="image")
         self._check_common(params)
         h, w = params.height or self.default_size, params.width or self.default_size
-        if h % self.multiple or w % self.multiple:
-            raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "
-                                      f"{self.multiple} for this model", param="size")
+        check_size(h, w, self.multiple)
         return self._with_defaults(params, height=h, width=w)
 
     def _check_common(self, params: DiffusionParams) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.components import load_component, load_components
-from omnistage.diffusion.family import DenoiseJob, cfg_rows
+from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -89,9 +89,7 @@ class QwenImageFamily:
             # Qwen-Image's scheduler (shift_terminal) divides 0 by 0 with one step: NaN images
             raise InvalidRequestError("this model needs num_inference_steps >= 2", param="num_inference_steps")
         h, w = params.height or self.default_size, params.width or self.default_size
-        if h % self.multiple or w % self.multiple:
-            raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "
-                                      f"{self.multiple} for this model", param="size")
+        check_size(h, w, self.multiple)
         return msgspec.structs.replace(
             params, height=h, width=w,
             num_inference_steps=params.num_inference_steps or self.default_steps,

@@ -33,7 +33,7 @@ from PIL import Image
 
 from omnistage.diffusion.cache import StepCache, cached_stack
 from omnistage.diffusion.components import load_component, read_model_index
-from omnistage.diffusion.family import DenoiseJob, cfg_rows
+from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import seeded_noise
@@ -155,9 +155,7 @@ class WanFamily:
         if num_images == 2 and frames < 2:
             raise InvalidRequestError("a first and a last frame need num_frames > 1", param="num_frames")
         h, w = params.height or self.default_size[0], params.width or self.default_size[1]
-        if h % self.multiple or w % self.multiple:
-            raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "
-                                      f"{self.multiple} for this model", param="size")
+        check_size(h, w, self.multiple)
         g = self.default_guidance if params.guidance_scale is None else params.guidance_scale
         return msgspec.structs.replace(params, height=h, width=w, num_frames=frames, guidance_scale=g,
                                        num_inference_steps=params.num_inference_steps or self.default_steps)

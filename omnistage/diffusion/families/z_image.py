@@ -19,7 +19,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image import to_pixels
-from omnistage.diffusion.family import DenoiseJob, cfg_rows
+from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -63,9 +63,7 @@ class ZImageFamily:
             raise InvalidRequestError("true_cfg_scale applies to Qwen-Image; Z-Image uses guidance_scale",
                                       param="true_cfg_scale")
         h, w = params.height or self.default_size, params.width or self.default_size
-        if h % self.multiple or w % self.multiple:
-            raise InvalidRequestError(f"size {w}x{h}: width and height must be multiples of "
-                                      f"{self.multiple} for this model", param="size")
+        check_size(h, w, self.multiple)
         g = self.default_guidance if params.guidance_scale is None else params.guidance_scale
         return msgspec.structs.replace(params, height=h, width=w, guidance_scale=g,
                                        num_inference_steps=params.num_inference_steps or self.default_steps)
