@@ -138,6 +138,8 @@ class DiffusionPipeline(GraphPipeline):
             # (the server default cache, applied below, is skipped quietly for such models)
             raise InvalidRequestError("this model has no step cache; leave cache out or use 'none'",
                                       param="cache")
+        if params.num_frames is not None and not self.family.is_video:
+            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if (params.layers is not None or params.resolution is not None) and not getattr(
                 self.family, "takes_layers", False):
             raise InvalidRequestError("layers and resolution apply to layered (Qwen-Image-Layered) "

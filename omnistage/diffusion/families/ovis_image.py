@@ -71,8 +71,6 @@ class OvisImageFamily:
         return self._with_defaults(params, height=h, width=w)
 
     def _check_common(self, params: DiffusionParams) -> None:
-        if params.num_frames is not None:
-            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if params.true_cfg_scale is not None:
             raise InvalidRequestError(f"true_cfg_scale applies to Qwen-Image; {self.name} uses guidance_scale",
                                       param="true_cfg_scale")

@@ -72,8 +72,6 @@ class QwenImageFamily:
 
     # ---- 0. request defaults ---------------------------------------------------------------
     def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
-        if params.num_frames is not None:
-            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if prompt.images or prompt.mask is not None:
             return self.image_to_image.resolve(params, prompt)
         if params.strength is not None:

@@ -127,8 +127,6 @@ class QwenImageEditFamily(QwenImageFamily):
         if prompt.mask is not None:
             raise InvalidRequestError(f"{self.name} models take no mask (inpainting is not supported); "
                                       "leave 'mask' out: the instruction edits the whole image", param="mask")
-        if params.num_frames is not None:
-            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         for name in ("height", "width"):
             v = getattr(params, name)
             if v is not None and v % self.multiple:

@@ -100,8 +100,6 @@ class QwenImageLayeredFamily(QwenImageFamily):
                                       f"as the prompt's 'image' (got {len(prompt.images)})", param="image")
         if prompt.mask is not None:
             raise InvalidRequestError("this model takes no mask; leave 'mask' out", param="mask")
-        if params.num_frames is not None:
-            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if getattr(params, "strength", None) is not None:
             raise InvalidRequestError("this model takes no strength (it always denoises from pure "
                                       "noise); leave strength out", param="strength")

@@ -57,8 +57,6 @@ class ZImageFamily:
                                       param="image")
         if prompt.mask is not None:
             raise InvalidRequestError("Z-Image takes no mask; leave 'mask' out", param="mask")
-        if params.num_frames is not None:
-            raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if params.true_cfg_scale is not None:
             raise InvalidRequestError("true_cfg_scale applies to Qwen-Image; Z-Image uses guidance_scale",
                                       param="true_cfg_scale")
