@@ -74,11 +74,7 @@ class OvisImageFamily:
         if params.true_cfg_scale is not None:
             raise InvalidRequestError(f"true_cfg_scale applies to Qwen-Image; {self.name} uses guidance_scale",
                                       param="true_cfg_scale")
-        for name, models in (("strength", "image-to-image and inpainting"), ("layers", "layered"),
-                             ("resolution", "layered")):
-            if getattr(params, name, None) is not None:
-                raise InvalidRequestError(f"{name} applies to {models} models; {self.name} does not take it, "
-                                          "leave it out", param=name)
+        # (strength, layers, resolution and num_frames: DiffusionPipeline.resolve refuses them here)
 
     def _with_defaults(self, params: DiffusionParams, **updates) -> DiffusionParams:
         g = self.default_guidance if params.guidance_scale is None else params.guidance_scale
