@@ -74,10 +74,7 @@ class QwenImageFamily:
     def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
         if prompt.images or prompt.mask is not None:
             return self.image_to_image.resolve(params, prompt)
-        if params.strength is not None:
-            raise InvalidRequestError("strength applies to image-to-image and inpainting: pass an "
-                                      "input image (and a mask to inpaint), or leave strength out",
-                                      param="strength")
+        # (strength without an input image: DiffusionPipeline.resolve refuses it first)
         return self._resolve_size(params)
 
     def _resolve_size(self, params: DiffusionParams) -> DiffusionParams:

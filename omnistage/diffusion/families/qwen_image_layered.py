@@ -100,9 +100,6 @@ class QwenImageLayeredFamily(QwenImageFamily):
                                       f"as the prompt's 'image' (got {len(prompt.images)})", param="image")
         if prompt.mask is not None:
             raise InvalidRequestError("this model takes no mask; leave 'mask' out", param="mask")
-        if getattr(params, "strength", None) is not None:
-            raise InvalidRequestError("this model takes no strength (it always denoises from pure "
-                                      "noise); leave strength out", param="strength")
         if params.num_inference_steps == 1:
             # the scheduler's shift_terminal divides 0 by 0 with one step: NaN images
             raise InvalidRequestError("this model needs num_inference_steps >= 2", param="num_inference_steps")
