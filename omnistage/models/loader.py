@@ -32,7 +32,7 @@ def read_config(model_dir: str | Path) -> dict:
         # a diffusers folder: its pipeline class stands for the architecture
         from omnistage.diffusion.components import read_model_index
 
-        return {"architectures": [read_model_index(path)["_class_name"]], "diffusers": True}
+        return {"architectures": [read_model_index(path)["_class_name"]]}
     if not cfg_file.is_file():
         raise ModelNotFoundError(f"{cfg_file} is missing; the model folder needs an HF config.json")
     try:
