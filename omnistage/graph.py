@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
 from omnistage.stages.base import Stage, StageFailure, StageOutput
 
@@ -26,6 +26,23 @@ CLIENT = "client"     # the edge target that means "back to the caller"
 class Edge:
     src: str
     dst: str          # a stage name or CLIENT
+
+
+@dataclass
+class FailureDelta(Delta):
+    """The last delta of a request a stage failed (finish_reason "error", `error` its message),
+    with the stage's StageFailure: whether the stage refused the request (a client error
+    naming a param) or lost it."""
+
+    failure: StageFailure | None = None
+
+
+def failure_error(delta: Delta) -> OmniStageError:
+    """What a caller raises for a delta that finished with "error": InvalidRequestError (a 4xx
+    naming the param) when a stage refused the request, else StageFailedError."""
+    if isinstance(delta, FailureDelta) and delta.failure is not None:
+        return delta.failure.exception()
+    return StageFailedError(delta.error or "a stage failed")
 
 
 class Router(Protocol):
@@ -111,7 +128,8 @@ class StageGraph:
         rid = failure.request_id
         if not self._drop(rid):
             return []
-        return [Delta(rid, 0, "", [], finished=True, finish_reason="error", error=failure.message)]
+        return [FailureDelta(rid, 0, "", [], finished=True, finish_reason="error", error=failure.message,
+                             failure=failure)]
 
     def health(self) -> str | None:
         """None when every stage can serve, else why not (a stage past its restarts)."""

@@ -57,7 +57,7 @@ class Delta:
     num_cached_tokens: int = 0
     audio: np.ndarray | None = None     # new float32 PCM samples (speech-producing models)
     sample_rate: int | None = None
-    error: str | None = None            # with finish_reason "error": what failed (not the client)
+    error: str | None = None            # with finish_reason "error": what failed (see graph.FailureDelta)
     progress: tuple[int, int] | None = None   # diffusion: (steps done, total steps)
     images: list[np.ndarray] | None = None    # diffusion: float32 pixels in [0, 1], one per sample:
                                               # (H, W, 3) images, (F, H, W, 3) videos or

@@ -142,8 +142,8 @@ class DiffusionStage:
             self._set_tiling(req)          # input images are VAE-encoded here: same rule as decode
             cond = self.family.encode(req)
             jobs = self.family.prepare(req, cond)
-        except InvalidRequestError as e:
-            return [StageOutput(self.name, req.request_id, StageFailure(req.request_id, str(e)), True)]
+        except InvalidRequestError as e:     # the family refused the input: the client's to fix
+            return [StageOutput(self.name, req.request_id, StageFailure.refused(req.request_id, e), True)]
         except Exception as e:
             return self._fail({req.request_id}, e)
         finally:

@@ -15,7 +15,8 @@ from typing import AsyncIterator, Callable
 from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
 from omnistage.entrypoints.omni import engine_config
 from omnistage.entrypoints.prompts import new_request_id
-from omnistage.errors import EngineDeadError, InvalidRequestError, StageFailedError
+from omnistage.errors import EngineDeadError, InvalidRequestError
+from omnistage.graph import failure_error
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 
@@ -104,8 +105,8 @@ class AsyncOmni:
                     raise item
                 if item.finished:
                     remaining -= 1
-                if item.finish_reason == "error":
-                    raise StageFailedError(item.error or "a stage failed")
+                if item.finish_reason == "error":     # refused (InvalidRequestError) or lost
+                    raise failure_error(item)
                 yield item
         finally:
             if remaining:

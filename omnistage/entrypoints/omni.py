@@ -12,7 +12,8 @@ import numpy as np
 from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
 from omnistage.entrypoints.model_source import resolve_model
 from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for
-from omnistage.errors import InvalidRequestError, StageFailedError
+from omnistage.errors import InvalidRequestError
+from omnistage.graph import failure_error
 from omnistage.outputs import CompletionOutput, Delta, OmniOutput
 from omnistage.sampling_params import SamplingParams
 
@@ -151,8 +152,8 @@ class Omni:
         try:
             while any(rid in self.engine.requests for rid in outputs):
                 for d in self.engine.step():
-                    if d.finish_reason == "error":
-                        raise StageFailedError(d.error or "a stage failed")
+                    if d.finish_reason == "error":     # refused (InvalidRequestError) or lost
+                        raise failure_error(d)
                     yield d
         finally:
             self._abort(outputs)

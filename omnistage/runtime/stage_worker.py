@@ -4,7 +4,8 @@ memory); the stage is built in the child from its recipe module, config and sett
 
 Parent -> child: StageInit (once), the stage's input messages, Abort, (closing = shutdown).
 Child -> parent: Ready | InitFailed (once), the stage's output payloads, Final (just before
-a request's last output), RequestFailed (a message the stage refused).
+a request's last output; a StageFailure, when the stage refused the request or lost it, is
+one such last output and keeps its client_error/param across the boundary).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import traceback
 import msgspec
 
 from omnistage.config import EngineConfig
-from omnistage.errors import OmniStageError
+from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.runtime.channel import Channel, PeerDeadError
+from omnistage.stages.base import StageFailure
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +47,7 @@ class Final(msgspec.Struct):
     request_id: str
 
 
-class RequestFailed(msgspec.Struct):
-    request_id: str
-    message: str
-
-
-CONTROL_TYPES = [StageInit, Ready, InitFailed, Abort, Final, RequestFailed]
+CONTROL_TYPES = [StageInit, Ready, InitFailed, Abort, Final, StageFailure]
 
 
 def message_types(recipe: str) -> list[type]:
@@ -86,11 +83,17 @@ def _serve(channel: Channel, stage) -> None:
             else:
                 try:
                     stage.add(msg)
-                except OmniStageError as e:
-                    channel.send(RequestFailed(msg.request_id, str(e)))
+                except OmniStageError as e:   # refused on arrival: fails as a refusal in step() does
+                    failure = (StageFailure.refused(msg.request_id, e) if isinstance(e, InvalidRequestError)
+                               else StageFailure(msg.request_id, str(e)))
+                    _send(channel, msg.request_id, failure, final=True)
             msg = channel.recv(0)
         if stage.has_work():
             for out in stage.step():
-                if out.final:   # announced first: the parent is done with the request as soon
-                    channel.send(Final(out.request_id))   # as it reads the payload
-                channel.send(out.payload)
+                _send(channel, out.request_id, out.payload, out.final)
+
+
+def _send(channel: Channel, request_id: str, payload, final: bool) -> None:
+    if final:   # announced first: the parent is done with the request as soon as it reads the payload
+        channel.send(Final(request_id))
+    channel.send(payload)

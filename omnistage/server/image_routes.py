@@ -111,10 +111,13 @@ async def _serve(engine: AsyncOmni, stats: ServerMetrics, request: Request, prom
     t0 = time.monotonic()
     deltas = engine.generate(prompt, body.params(), request_id=f"img-{request.state.request_id}")
     try:
-        first = await anext(deltas)  # request errors (400s) surface here, before any byte is sent
+        # Request errors surface here, before any byte is sent: those found on arrival and those
+        # the stage finds once it encodes the input (e.g. an edit model refusing an extreme
+        # aspect ratio) both arrive as InvalidRequestError, which the app answers 400 naming
+        # the param.
+        first = await anext(deltas)
     except StageFailedError as e:
-        # The stage refused the request (the family's own rules) or lost it; its message says
-        # which. (It arrives without a type: a refusal cannot be told from a crash here.)
+        # The stage lost the request (a fault, or its process died): not the client's doing.
         return error_response(500, f"the image request failed: {e}", code="generation_failed")
     if body.stream:
         return StreamingResponse(_events(first, deltas, body, kind, stats, t0),

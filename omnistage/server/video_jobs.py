@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 FINISHED = ("completed", "failed")
 
 
+def api_param(param: str | None) -> str | None:
+    """The engine's name for a request field -> this API's (its input image is `input_reference`)."""
+    return "input_reference" if param == "image" else param
+
+
 @dataclass
 class VideoJob:
     id: str
@@ -116,8 +121,8 @@ class VideoJobs:
             job.status, job.progress = "completed", 100
         except asyncio.CancelledError:
             raise
-        except InvalidRequestError as e:
-            self._fail(job, "invalid_request", str(e), e.param)
+        except InvalidRequestError as e:   # refused once the stage saw the input: the client's to fix
+            self._fail(job, "invalid_request", str(e), api_param(e.param))
         except OmniStageError as e:     # a stage lost the request, or the engine stopped
             self._fail(job, "generation_failed", str(e))
         except Exception:

@@ -27,7 +27,7 @@ from omnistage.media.image import parse_data_url
 from omnistage.server.errors import error_response
 from omnistage.server.image_protocol import VideoRequest, validated
 from omnistage.server.image_routes import form_fields, read_upload, require_diffusion
-from omnistage.server.video_jobs import VideoJob, VideoJobs
+from omnistage.server.video_jobs import VideoJob, VideoJobs, api_param
 
 
 def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
@@ -54,10 +54,8 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
         try:
             prepared = await asyncio.to_thread(inner.prepare, prompt)  # decodes the input image
             resolved = inner.resolve(prepared, params)                  # defaults, limits, seed
-        except InvalidRequestError as e:
-            if e.param == "image":         # the engine's name for what this API calls input_reference
-                raise InvalidRequestError(str(e), param="input_reference") from None
-            raise
+        except InvalidRequestError as e:   # named as this API names the field (input_reference)
+            raise InvalidRequestError(str(e), param=api_param(e.param)) from None
         seconds = (f"{body.duration():g}" if body.seconds is not None
                    else f"{(resolved.num_frames - 1) / resolved.fps:g}")
         decoded = {"prompt": prepared.text, "image": prepared.images} if prepared.images else prepared.text

@@ -16,8 +16,8 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import ChannelConfig, PeerDeadError, spawn_child
-from omnistage.runtime.stage_worker import (Abort, Final, InitFailed, Ready, RequestFailed,
-                                            StageInit, message_types, worker_main)
+from omnistage.runtime.stage_worker import (Abort, Final, InitFailed, Ready, StageInit,
+                                            message_types, worker_main)
 from omnistage.stages.base import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
@@ -134,10 +134,6 @@ class RemoteStage:
             while (msg := self.channel.recv(0)) is not None:
                 if isinstance(msg, Final):          # the next payload for it is its last
                     self._final_next.add(msg.request_id)
-                elif isinstance(msg, RequestFailed):
-                    self._inflight.discard(msg.request_id)
-                    out.append(StageOutput(self.name, msg.request_id,
-                                           StageFailure(msg.request_id, msg.message), final=True))
                 else:
                     rid = msg.request_id
                     final = rid in self._final_next
