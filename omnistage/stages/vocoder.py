@@ -5,22 +5,33 @@ A step decodes one chunk of each of several streams that have enough codes (chun
 look-ahead, or the tail once the talker finished) in one batched ODE solve, so a request's
 first audio comes after its first chunk of codes, not after the whole answer.
 
-A step takes windows up to `frame_budget` mel frames (at least one): streams still waiting for
-their first audio first, then the others oldest first. Short steps let the thinker and talker
-run in between, and a new request's first chunk never waits behind older requests' later ones.
+Scheduling, for time to first audio (TTFA) under load. The router opens a request's stream
+as soon as the thinker starts it, so the stage knows who is still waiting for a first chunk.
+Each step does one of:
+- first chunks that are ready (up to `first_audio_frames` mel frames, at least one window,
+  oldest stream first): solved whole at once;
+- nothing but tail flushes, while some stream is still gathering its first chunk's codes (for
+  at most `max_hold_s`): each graph step then costs one thinker and one talker step, so the
+  newcomer's codes arrive at full speed;
+- later chunks: one batched solve over up to `frame_budget` frames (at least one window,
+  oldest stream first), advanced `intervals_per_step` RK4 intervals per step, so no step is
+  long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
+Tails to flush (vocoder only) ride along with any step. Streams already playing lose a little
+lead; a new request's first audio no longer waits behind seconds of other requests' DiT work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
-from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, Token2WavStream,
-                                                     step_streams)
+from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
+                                                            Token2WavStream, solve_key, step_streams)
 from omnistage.stages.base import StageOutput
 
 
@@ -30,10 +41,27 @@ class VocoderSettings:
     guidance_scale: float = 0.5
     stream: StreamConfig | None = None   # None: the DiT's own block reach (StreamConfig.for_dit)
     seed: int = 0                        # unseeded request i draws noise from seed + i
-    frame_budget: int = 1536             # mel frames of DiT windows per step (at least one window)
+    frame_budget: int = 1536             # mel frames of later-chunk windows per solve (at least one window)
+    first_audio_frames: int = 144        # mel frames of first-chunk windows per step (at least one)
+    intervals_per_step: int = 1          # RK4 intervals a later-chunk solve advances per step (0: all)
+    max_hold_s: float = 2.0              # longest wait of later chunks for streams gathering first codes
     # Opt-in speed for quality: the DiT's matmuls in bfloat16 (~1.4x on CPUs with bf16 units;
     # mel within ~0.2% RMS of float32). Off: outputs match the reference (float32).
     bf16_dit: bool = False
+
+
+@dataclass
+class _Pick:
+    """One step's work: streams to flush, and first chunks to solve, or later chunks to start
+    solving, or the solve in flight to advance."""
+    flush: list[str]
+    first: list[str] = field(default_factory=list)
+    later: list[str] = field(default_factory=list)
+    resume: bool = False
+
+    @property
+    def idle(self) -> bool:
+        return not (self.flush or self.first or self.later or self.resume)
 
 
 class VocoderStage:
@@ -46,6 +74,9 @@ class VocoderStage:
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
         self._count = 0
+        self._hold_since: float | None = None   # when later chunks began waiting (see _pick)
+        self._solve: StreamSolve | None = None  # later chunks in flight
+        self._solving: list[str] = []           # their request ids, in the solve's order
         self.sample_rate = 24000
 
     def _open(self, rid: str, speaker: str, seed: int | None) -> Token2WavStream:
@@ -69,27 +100,67 @@ class VocoderStage:
         if chunk.finished:
             s.end()
 
-    def _pick(self) -> list[str]:
-        """This step's streams: first-audio-pending before the rest, each group oldest first,
-        within the frame budget; streams with only a tail to flush cost nothing."""
+    def _pick(self, stepping: bool = False) -> _Pick:
+        """This step's work (see the module docstring). `stepping`: the step runs it (a hold
+        that expired starts again after it)."""
+        flush, first, later, gathering = [], [], [], False
+        for rid, s in self._streams.items():          # insertion order: oldest stream first
+            if rid in self._solving:
+                continue
+            if s.ready():
+                (first if s.num_chunks == 0 else later).append(rid)
+            elif s.has_work() or s.finishing:         # a tail to flush, or an empty end
+                flush.append(rid)
+            elif s.num_chunks == 0:
+                gathering = True
+        if first:
+            return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
+        now, pending = time.monotonic(), self._solve is not None or bool(later)
+        if not gathering or not pending:
+            self._hold_since = None
+        elif self._hold_since is None:
+            self._hold_since = now
+        if self._hold_since is not None and now - self._hold_since < self.settings.max_hold_s:
+            return _Pick(flush)
+        if self._hold_since is not None and stepping:   # held long enough: one step of later
+            self._hold_since = now                       # chunks, then hold again
+        if self._solve is not None:
+            return _Pick(flush, resume=True)
+        return _Pick(flush, later=self._within(later, self.settings.frame_budget))
+
+    def _within(self, rids: list[str], budget: int) -> list[str]:
+        """The first of `rids`, then each next one that shares its solve and whose window
+        still fits in `budget` frames."""
+        key = solve_key(self._streams[rids[0]]) if rids else None
         chosen, spent = [], 0
-        busy = [r for r, s in self._streams.items() if s.has_work() or s.finishing]
-        for rid in sorted(busy, key=lambda r: self._streams[r].num_chunks > 0):   # stable sort
+        for rid in rids:
             s = self._streams[rid]
-            cost = s.window_frames() if s.ready() else 0
-            if cost and chosen and spent + cost > self.settings.frame_budget:
+            cost = s.window_frames()
+            if chosen and (spent + cost > budget or solve_key(s) != key):
                 continue
             chosen.append(rid)
             spent += cost
         return chosen
 
     def step(self) -> list[StageOutput]:
-        rids = self._pick()
-        streams = [self._streams[r] for r in rids]
+        pick = self._pick(stepping=True)
+        pcm: dict[str, torch.Tensor | None] = {}
         with torch.inference_mode():
-            pcm = step_streams(streams)   # one batched solve; ended streams flush their tail
+            if pick.first:
+                pcm.update(zip(pick.first, step_streams([self._streams[r] for r in pick.first])))
+            elif pick.later or pick.resume:
+                if pick.later:
+                    self._solve, self._solving = StreamSolve([self._streams[r] for r in pick.later]), pick.later
+                if self._solve.advance(self.settings.intervals_per_step or None):
+                    pcm.update(zip(self._solving, self._solve.finish()))
+                    self._solve, self._solving = None, []
+            # Streams that are not ready only flush their vocoder tail here.
+            pcm.update(zip(pick.flush, step_streams([self._streams[r] for r in pick.flush])))
         out = []
-        for rid, s, p in zip(rids, streams, pcm):
+        for rid, p in pcm.items():
+            s = self._streams.get(rid)
+            if s is None:                 # aborted while its chunk was in flight
+                continue
             done = s.finishing and not s.has_work()
             if p is None and not done:
                 continue
@@ -104,9 +175,18 @@ class VocoderStage:
         s = self._streams.pop(request_id, None)
         if s is not None:
             s.close()
+        if self._solve is not None and all(r not in self._streams for r in self._solving):
+            self._solve, self._solving = None, []    # nobody left to solve for
 
     def has_work(self) -> bool:
-        return any(s.has_work() or s.finishing for s in self._streams.values())
+        return not self._pick().idle
+
+    def wake_after(self) -> float | None:
+        """Seconds until held later chunks may run without new input (None: not holding).
+        A stage process with nothing to do waits for its next message at most this long."""
+        if self._hold_since is None:
+            return None
+        return max(0.0, self._hold_since + self.settings.max_hold_s - time.monotonic())
 
     def num_requests(self) -> int:
         return len(self._streams)

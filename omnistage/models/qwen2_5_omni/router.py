@@ -11,6 +11,10 @@ The talker's input (transformers' Qwen2_5OmniForConditionalGeneration.generate):
   after the last reply vector: the text-eos embedding once, then text-pad forever.
 Reply vectors exist only for tokens the thinker fed back (its last token is never fed), so
 the talker starts after the thinker's second step and trails it by a token at most.
+
+token2wav hears of a speaking request as soon as the thinker has started it (an empty
+CodecChunk naming the speaker opens its stream): from then on the vocoder knows a request is
+waiting for its first audio and keeps its own steps short (see VocoderStage).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class _Flow:
     prompt_rows: list[torch.Tensor] = field(default_factory=list)   # (n, H) chunks
     rows_seen: int = 0                    # thinker positions whose vectors arrived
     talker_started: bool = False
+    stream_opened: bool = False           # token2wav has this request's stream
     text_done: bool = False
     audio_done: bool = False
     finish_reason: str | None = None
@@ -64,8 +69,8 @@ class OmniRouter:
         self.flows: dict[str, _Flow] = {}
         self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
         if audio_output:
-            self.edges += [Edge("thinker", "talker"), Edge("talker", "token2wav"),
-                           Edge("token2wav", CLIENT)]
+            self.edges += [Edge("thinker", "talker"), Edge("thinker", "token2wav"),
+                           Edge("talker", "token2wav"), Edge("token2wav", CLIENT)]
 
     def unfinished(self) -> set[str]:
         return set(self.flows)
@@ -121,6 +126,9 @@ class OmniRouter:
 
     def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
+        if flow.want_audio and not flow.stream_opened:
+            flow.stream_opened = True
+            out.append(("token2wav", self._codec_chunk(flow, [], False)))
         if flow.want_audio and o.hidden_states is not None:
             out += self._talker_inputs(flow, o)
         if o.token_ids or o.text:
@@ -165,9 +173,10 @@ class OmniRouter:
     def _thinker_finished(self, flow: _Flow) -> list[tuple[str, object]]:
         if not flow.talker_started:
             # The thinker stopped at its first token: no reply vector exists to start the
-            # talker with (transformers fails here); the answer has no audio.
+            # talker with (transformers fails here); the answer has no audio. Its token2wav
+            # stream ends empty (its final, empty AudioChunk finds the request done).
             flow.audio_done = True
-            return []
+            return [("token2wav", self._codec_chunk(flow, [], True))]
         return [("talker", ARFeed(flow.req.request_id, vectors=self.c.text_eos_embed.unsqueeze(0),
                                   fill=self.c.text_pad_embed))]
 
@@ -175,11 +184,13 @@ class OmniRouter:
         codes = o.token_ids
         if o.finished and o.finish_reason == "stop" and codes and codes[-1] in self.c.tokens.stop_ids:
             codes = codes[:-1]
-        first = flow.num_codes == 0 and not o.finished
         flow.num_codes += len(codes)
-        return [("token2wav", CodecChunk(o.request_id, codes, o.finished,
-                                         speaker=flow.req.speaker if first or o.finished else "",
-                                         seed=flow.req.talker_params.seed))]
+        return [("token2wav", self._codec_chunk(flow, codes, o.finished))]
+
+    def _codec_chunk(self, flow: _Flow, codes: list[int], finished: bool) -> CodecChunk:
+        # Every chunk names the speaker and seed: the first one to arrive opens the stream.
+        return CodecChunk(flow.req.request_id, codes, finished, speaker=flow.req.speaker,
+                          seed=flow.req.talker_params.seed)
 
     def _from_token2wav(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []

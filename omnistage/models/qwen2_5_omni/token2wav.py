@@ -90,51 +90,89 @@ def time_grid(steps: int, sway: float | None, device: torch.device) -> torch.Ten
 
 @torch.no_grad()
 def solve(dit: DiTModel, jobs: list[DiTJob], steps: int, sway: float | None) -> list[torch.Tensor]:
-    """Integrate every job's ODE together; returns each job's mel (frames, mel_dim).
+    """Integrate every job's ODE together; returns each job's mel (frames, mel_dim)."""
+    ode = OdeSolve(dit, jobs, steps, sway)
+    ode.advance()
+    return ode.result()
+
+
+class OdeSolve:
+    """A batched ODE solve that can stop between RK4 intervals and go on later (the vocoder
+    stage advances long solves a few intervals per step, so that other work runs in between).
 
     Rows: one conditional row per job, then one unconditional row per job with guidance. Each
-    DiT evaluation is one forward over all rows (padded to a multiple of block_size frames)."""
-    dev, bs, n = jobs[0].noise.device, dit.block_size, len(jobs)
-    lengths = [j.noise.shape[0] for j in jobs]
-    frames = math.ceil(max(lengths) / bs) * bs
-    cfg = [i for i, j in enumerate(jobs) if j.guidance_scale >= MIN_GUIDANCE]
-    rows = list(range(n)) + cfg
-    layout = BatchLayout([lengths[i] for i in rows], [jobs[i].frame_offset for i in rows], frames)
+    DiT evaluation is one forward over all rows (padded to a multiple of block_size frames).
+    Whatever the pieces, the arithmetic is that of one uninterrupted solve."""
 
-    x = torch.zeros(n, frames, dit.mel_dim, device=dev, dtype=jobs[0].noise.dtype)   # (N, T, mel)
-    static = torch.zeros(len(rows), frames, dit.config.hidden_size, device=dev, dtype=x.dtype)
-    for i, job in enumerate(jobs):
-        x[i, :lengths[i]] = job.noise
-        static[i, :lengths[i]] = dit.code_terms(job.codes) + job.speaker.cond
-    for r, i in enumerate(cfg, start=n):
-        static[r, :lengths[i]] = jobs[i].speaker.uncond
-    valid = (torch.arange(frames, device=dev) < torch.tensor(lengths, device=dev).view(-1, 1))
-    valid = valid.unsqueeze(-1).to(x.dtype)                # padding frames stay 0 (finite) forever
-    cfg_idx = torch.tensor(cfg, device=dev, dtype=torch.long)
-    scale = torch.tensor([jobs[i].guidance_scale for i in cfg], device=dev, dtype=x.dtype).view(-1, 1, 1)
-    rope, masks = dit.rope_angles(layout, dev), dit.masks_for(layout, dev)
-    all_cfg = len(cfg) == n
+    @torch.no_grad()
+    def __init__(self, dit: DiTModel, jobs: list[DiTJob], steps: int, sway: float | None):
+        dev, bs, n = jobs[0].noise.device, dit.block_size, len(jobs)
+        self.dit, self.n = dit, n
+        self.lengths = lengths = [j.noise.shape[0] for j in jobs]
+        frames = math.ceil(max(lengths) / bs) * bs
+        cfg = [i for i, j in enumerate(jobs) if j.guidance_scale >= MIN_GUIDANCE]
+        rows = list(range(n)) + cfg
+        layout = BatchLayout([lengths[i] for i in rows], [jobs[i].frame_offset for i in rows], frames)
 
-    def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        xr = torch.cat([x, x if all_cfg else x[cfg_idx]]) if cfg else x
-        out = dit(xr, static, t, rope, masks)
+        self.x = torch.zeros(n, frames, dit.mel_dim, device=dev, dtype=jobs[0].noise.dtype)  # (N, T, mel)
+        self.static = torch.zeros(len(rows), frames, dit.config.hidden_size, device=dev, dtype=self.x.dtype)
+        for i, job in enumerate(jobs):
+            self.x[i, :lengths[i]] = job.noise
+            self.static[i, :lengths[i]] = dit.code_terms(job.codes) + job.speaker.cond
+        for r, i in enumerate(cfg, start=n):
+            self.static[r, :lengths[i]] = jobs[i].speaker.uncond
+        valid = (torch.arange(frames, device=dev) < torch.tensor(lengths, device=dev).view(-1, 1))
+        self.valid = valid.unsqueeze(-1).to(self.x.dtype)      # padding frames stay 0 (finite) forever
+        self.cfg = cfg
+        self.cfg_idx = torch.tensor(cfg, device=dev, dtype=torch.long)
+        self.scale = torch.tensor([jobs[i].guidance_scale for i in cfg], device=dev,
+                                  dtype=self.x.dtype).view(-1, 1, 1)
+        self.rope, self.masks = dit.rope_angles(layout, dev), dit.masks_for(layout, dev)
+        self.all_cfg = len(cfg) == n
+        self.grid = time_grid(steps, sway, dev)
+        self.interval = 0                       # RK4 intervals done (of len(grid) - 1)
+
+    @property
+    def done(self) -> bool:
+        return self.interval >= len(self.grid) - 1
+
+    @property
+    def frames(self) -> int:
+        """Mel frames the solve carries (its cost per DiT pass)."""
+        return sum(self.lengths)
+
+    def _velocity(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n, cfg = self.n, self.cfg
+        xr = torch.cat([x, x if self.all_cfg else x[self.cfg_idx]]) if cfg else x
+        out = self.dit(xr, self.static, t, self.rope, self.masks)
         v = out[:n]
-        if all_cfg:
-            v = v + (v - out[n:]) * scale
+        if self.all_cfg:
+            v = v + (v - out[n:]) * self.scale
         elif cfg:
-            v = v.index_copy(0, cfg_idx, v[cfg_idx] + (v[cfg_idx] - out[n:]) * scale)
-        return v * valid
+            v = v.index_copy(0, self.cfg_idx, v[self.cfg_idx] + (v[self.cfg_idx] - out[n:]) * self.scale)
+        return v * self.valid
 
-    grid = time_grid(steps, sway, dev)
-    third = 1 / 3
-    for t0, t1 in zip(grid[:-1], grid[1:]):      # RK4, 3/8 rule
-        dt = t1 - t0
-        k1 = velocity(t0, x)
-        k2 = velocity(t0 + dt * third, x + dt * k1 * third)
-        k3 = velocity(t0 + dt * (2 / 3), x + dt * (k2 - k1 * third))
-        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
-        x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
-    return [x[i, :lengths[i]] for i in range(n)]
+    @torch.no_grad()
+    def advance(self, intervals: int | None = None) -> bool:
+        """Run up to `intervals` more RK4 intervals (None: to the end); True once done."""
+        third, x, grid = 1 / 3, self.x, self.grid
+        end = len(grid) - 1 if intervals is None else min(len(grid) - 1, self.interval + intervals)
+        for i in range(self.interval, end):          # RK4, 3/8 rule
+            t0, t1 = grid[i], grid[i + 1]
+            dt = t1 - t0
+            k1 = self._velocity(t0, x)
+            k2 = self._velocity(t0 + dt * third, x + dt * k1 * third)
+            k3 = self._velocity(t0 + dt * (2 / 3), x + dt * (k2 - k1 * third))
+            k4 = self._velocity(t1, x + dt * (k1 - k2 + k3))
+            x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        self.x, self.interval = x, max(self.interval, end)
+        return self.done
+
+    def result(self) -> list[torch.Tensor]:
+        """Each job's mel (frames, mel_dim); only once done."""
+        if not self.done:
+            raise RuntimeError("the ODE solve has not reached t=1 yet")
+        return [self.x[i, :self.lengths[i]] for i in range(self.n)]
 
 
 class Token2Wav(nn.Module):

@@ -11,8 +11,8 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
-from omnistage.models.qwen2_5_omni.token2wav import (DiTJob, NoiseSource, Token2Wav, check_settings,
-                                                     solve)
+from omnistage.models.qwen2_5_omni.token2wav import (DiTJob, NoiseSource, OdeSolve, Token2Wav,
+                                                     check_settings)
 
 @dataclass
 class StreamConfig:
@@ -179,6 +179,32 @@ class Token2WavStream:
         return out
 
 
+def solve_key(stream: Token2WavStream) -> tuple:
+    """Streams with equal keys can share one batched solve (same DiT, same ODE settings)."""
+    return id(stream.model), stream.steps, stream.sway
+
+
+class StreamSolve:
+    """The next chunk of each of several streams (equal solve_key, all ready) in one batched
+    ODE solve, which may advance a few RK4 intervals at a time. The streams' state moves on
+    only in finish(); a stream closed meanwhile is skipped."""
+
+    def __init__(self, streams: list[Token2WavStream]):
+        self.streams = streams
+        self.plans = [s.plan() for s in streams]
+        first = streams[0]
+        self.ode = OdeSolve(first.model.dit, [p.job for p in self.plans], first.steps, first.sway)
+
+    def advance(self, intervals: int | None = None) -> bool:
+        return self.ode.advance(intervals)
+
+    def finish(self) -> list[torch.Tensor | None]:
+        """Each stream's new PCM (None: none yet, or the stream was closed)."""
+        mels = self.ode.result()
+        return [None if s.closed else s.accept(p, mel)
+                for s, p, mel in zip(self.streams, self.plans, mels)]
+
+
 def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:
     """Decode one chunk of every ready stream, and flush the tail of ended ones. Streams of the
     same model and ODE settings share one batched solve (one DiT forward per evaluation for all
@@ -187,13 +213,12 @@ def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(streams):
         if s.ready():
-            groups.setdefault((id(s.model), s.steps, s.sway), []).append(i)
+            groups.setdefault(solve_key(s), []).append(i)
         elif s.has_work():
             out[i] = s.vocoder.flush()
     for idx in groups.values():
-        plans = [streams[i].plan() for i in idx]
-        first = streams[idx[0]]
-        mels = solve(first.model.dit, [p.job for p in plans], first.steps, first.sway)
-        for i, plan, mel in zip(idx, plans, mels):
-            out[i] = streams[i].accept(plan, mel)
+        batch = StreamSolve([streams[i] for i in idx])
+        batch.advance()
+        for i, pcm in zip(idx, batch.finish()):
+            out[i] = pcm
     return out
