@@ -200,6 +200,7 @@ class Token2Wav(nn.Module):
         some checkpoints carry (rotary inv_freq, resampling FIR filters) are recomputed, not read."""
         derived = (".rotary_embed.inv_freq", ".filter")
         kept = ((k, w) for k, w in weights if not k.endswith(derived))
+        self.dit._time_cache.clear()     # time terms of the old weights
         loaded = load_prefixed(self, kept, prefix)
         require_complete(self, loaded, "token2wav")
         return loaded

@@ -203,29 +203,50 @@ class Attention(nn.Module):
         self.to_k = DiTLinear(c.hidden_size, inner)
         self.to_v = DiTLinear(c.hidden_size, inner)
         self.to_out = nn.ModuleList([DiTLinear(inner, c.hidden_size)])
+        self.qkv: DiTLinear | None = None      # q|k|v in one packed GEMM (pack_for_onednn)
+
+    def pack_for_onednn(self) -> None:
+        """One GEMM for q, k and v (the same numbers as three: each output column is the same
+        dot product), then the projections drop their own weights."""
+        q, k, v = self.to_q, self.to_k, self.to_v
+        merged = DiTLinear(q.in_features, 3 * q.out_features, device=q.weight.device, dtype=q.weight.dtype)
+        with torch.no_grad():
+            merged.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            merged.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        merged.pack_for_onednn()
+        self.qkv = merged
+        for lin in (q, k, v):
+            lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
+            lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
+        self.to_out[0].pack_for_onednn()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bs: int, back: int,
                 ahead: int, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         nb, h, d = t // bs, self.heads, self.head_dim
-        q = self.to_q(x).view(b, t, h, d)
-        k = self.to_k(x).view(b, t, h, d)
-        v = self.to_v(x).view(b, t, h, d)
-        # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved.
-        q[:, :, 0] = _rotate_interleaved(q[:, :, 0], rope)
-        k[:, :, 0] = _rotate_interleaved(k[:, :, 0], rope)
-        qb = q.view(b, nb, bs, h, d).transpose(2, 3).reshape(b * nb, h, bs, d)
-        kb, vb = (_key_windows(z.view(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
+        if self.qkv is not None:
+            qkv = self.qkv(x).view(b, t, 3, h, d)
+        else:
+            qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
+        # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
+        # q's and k's head 0 rotated in one go.
+        qkv[:, :, :2, 0] = _rotate_interleaved(qkv[:, :, :2, 0], rope)
+        q, k, v = qkv.unbind(2)
+        qb = q.reshape(b, nb, bs, h, d).transpose(2, 3).reshape(b * nb, h, bs, d)
+        kb, vb = (_key_windows(z.reshape(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)    # (B*nb, H, bs, d)
         o = o.view(b, nb, h, bs, d).transpose(2, 3).reshape(b, t, h * d)
         return self.to_out[0](o)
 
 
 def _rotate_interleaved(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x (B, T, d) rotated pairwise by angles whose cos, sin are (B, T, d/2)."""
+    """x (B, T, [n,] d) rotated pairwise by angles whose cos, sin are (B, T, d/2), the same for
+    each of the n heads."""
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
     cos, sin = rope
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2)
 
 
@@ -265,7 +286,15 @@ class FeedForward(nn.Module):
         self.ff = nn.ModuleDict({"0": DiTLinear(dim, dim * mult), "3": DiTLinear(dim * mult, dim)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ff["3"](F.gelu(self.ff["0"](x), approximate="tanh"))
+        up = self.ff["0"]
+        if up.packed is not None and not torch.is_autocast_enabled(x.device.type):
+            # GELU as the GEMM's post-op: one pass over the activations instead of two
+            # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's).
+            h = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), up.packed, up.bias,
+                                                   "gelu", [], "tanh").view(*x.shape[:-1], -1)
+        else:
+            h = F.gelu(up(x), approximate="tanh")
+        return self.ff["3"](h)
 
 
 class AdaNorm(nn.Module):
@@ -294,9 +323,10 @@ class DiTBlock(nn.Module):
         self.attn = Attention(c)
         self.ff = FeedForward(c.hidden_size, c.ff_mult)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, mods: list[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                 bs: int, mask: torch.Tensor | None) -> torch.Tensor:
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(temb)   # each (1, D)
+        """mods: this block's attn_norm(temb), six (1, D) modulation vectors."""
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
         x = x + gate_a[:, None] * self.attn(modulate(x, scale_a, shift_a), rope, bs, self.back,
                                             self.ahead, mask)
         return x + gate_f[:, None] * self.ff(modulate(x, scale_f, shift_f))
@@ -321,6 +351,7 @@ class DiTModel(nn.Module):
         self.block_size, self.repeats, self.mel_dim = c.block_size, c.repeats, c.mel_dim
         self.rope_theta = float(rope.get("rope_theta", 10000.0))
         self.bf16_matmuls = False      # see forward()
+        self._time_cache: dict[tuple[float, bool], tuple] = {}    # see time_terms()
         with torch.device("meta"):          # no init work: every tensor is loaded
             self.time_embed = TimeEmbed(c.hidden_size)
             self.text_embed = CodecEmbed(c)
@@ -366,12 +397,24 @@ class DiTModel(nn.Module):
         # Opt-in: matmuls in bfloat16 (autocast), ~1.4x on CPUs with bf16 units; the ODE state
         # stays float32. Off by default: the reference runs token2wav in float32.
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16_matmuls):
-            temb = self.time_embed(t.reshape(1))               # (1, D): every row is at the same t
+            mods, (scale, shift) = self.time_terms(t)
             h = F.linear(x, self.input_embed.part(0)) + static
-            for block in self.transformer_blocks:
-                h = block(h, temb, rope, self.block_size, masks[(block.back, block.ahead)])
-            scale, shift = self.norm_out(temb)
+            for block, m in zip(self.transformer_blocks, mods):
+                h = block(h, m, rope, self.block_size, masks[(block.back, block.ahead)])
             return self.proj_out(modulate(h, scale, shift)).to(x.dtype)
+
+    def time_terms(self, t: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Every block's modulation vectors and the output norm's (scale, shift) at time t.
+        They depend on t alone, and every solve visits the same few t (its time grid): each is
+        computed once and kept (the same numbers as computing it every pass)."""
+        key = (float(t), self.bf16_matmuls)
+        terms = self._time_cache.get(key)
+        if terms is None:
+            temb = self.time_embed(t.reshape(1))               # (1, D): every row is at the same t
+            terms = ([b.attn_norm(temb) for b in self.transformer_blocks], self.norm_out(temb))
+            if len(self._time_cache) < 4096:                   # grids are few; bound it anyway
+                self._time_cache[key] = terms
+        return terms
 
     def masks_for(self, layout: BatchLayout,
                   device: torch.device) -> dict[tuple[int, int], torch.Tensor | None]:
@@ -385,7 +428,13 @@ class DiTModel(nn.Module):
         p = next(self.parameters())
         if not onednn_linear_available(p.device, p.dtype):
             return 0
-        lins = [m for m in self.modules() if isinstance(m, DiTLinear) and m is not self.input_embed.proj]
+        self._time_cache.clear()      # computed by the other GEMM path
+        attns = [m for m in self.modules() if isinstance(m, Attention)]
+        for a in attns:
+            a.pack_for_onednn()
+        done = {id(m) for a in attns for m in (a.to_q, a.to_k, a.to_v, a.to_out[0], a.qkv)}
+        lins = [m for m in self.modules() if isinstance(m, DiTLinear) and m is not self.input_embed.proj
+                and id(m) not in done]
         for m in lins:
             m.pack_for_onednn()
-        return len(lins)
+        return len(lins) + 2 * len(attns)
