@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from omnistage.llm.sequence import Sequence
 
-# A full block's identity: the parent block's key hash and its own token ids. Used as a dict
-# key, so a hit compares the token ids exactly; only a 64-bit collision of the parent chain
-# could alias two prefixes.
-BlockKey = tuple[int, tuple[int, ...]]
+# A full block's identity: the parent block's key hash and its own content (token ids, plus a
+# digest of non-token inputs: see Sequence.block_content). Used as a dict key, so a hit
+# compares the token ids exactly; only a 64-bit collision of the parent chain (or a 128-bit
+# one of a digest) could alias two prefixes.
+BlockKey = tuple[int, tuple]
 
 
 @dataclass
@@ -25,6 +28,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: BlockKey | None = None   # set once full and computed (prefix caching on)
+    # (hidden, input embeds) rows of its positions, kept when a sequence that returns hidden
+    # states computed it: a later such sequence can take the block only with them.
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class BlockManager:
@@ -51,7 +57,10 @@ class BlockManager:
         keys = []
         parent = seq.block_hashes[first - 1] if first else 0
         for i in range(first, last):
-            key = (parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            content = seq.block_content(i, bs)
+            if content is None:        # not shareable, nor is anything after it
+                break
+            key = (parent, content)
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(hash(key))
             parent = seq.block_hashes[i]
@@ -62,12 +71,12 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq's tokens. At least one token is left to
         compute, since the last position's logits are needed to sample."""
-        if not (self.enable_prefix_caching and seq.cacheable):
+        if not self.enable_prefix_caching:
             return []
         hits = []
         for key in self._keys(seq, 0, (seq.num_tokens - 1) // self.block_size):
             block_id = self._cached.get(key)
-            if block_id is None:
+            if block_id is None or (seq.return_hidden_states and self.blocks[block_id].rows is None):
                 break
             hits.append(block_id)
         self.num_prefix_query_tokens += seq.num_tokens
@@ -96,6 +105,9 @@ class BlockManager:
         seq.block_table.extend(hits)
         if hits:
             seq.num_computed_tokens = seq.num_cached_tokens = start
+            if seq.return_hidden_states:   # the outputs of the positions it will not compute
+                rows = [self.blocks[b].rows for b in seq.block_table[:start // bs]]
+                seq.cached_rows = (torch.cat([h for h, _ in rows]), torch.cat([e for _, e in rows]))
         copies = []
         if cow:
             i = start // bs
@@ -120,7 +132,7 @@ class BlockManager:
     # ---- after a step ---------------------------------------------------------------------
     def register_computed(self, seq: Sequence, num_before: int) -> None:
         """Make blocks that became full during the last step findable by later requests."""
-        if not (self.enable_prefix_caching and seq.cacheable):
+        if not self.enable_prefix_caching:
             return
         bs = self.block_size
         first, last = num_before // bs, seq.num_computed_tokens // bs
@@ -130,9 +142,10 @@ class BlockManager:
         for i, key in enumerate(self._keys(seq, start, last), start=start):
             if i < first:
                 continue
+            rows = seq.take_rows(i * bs, (i + 1) * bs) if seq.return_hidden_states else None
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self._cached:
-                block.key = key
+                block.key, block.rows = key, rows
                 self._cached[key] = block.block_id
 
     def free(self, seq: Sequence) -> None:
@@ -161,6 +174,6 @@ class BlockManager:
         if block.key is not None:  # evict its cached content
             if self._cached.get(block.key) == b:
                 del self._cached[block.key]
-            block.key = None
+            block.key = block.rows = None
         block.ref_count = 1
         return b

@@ -76,6 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
                                   self.device, self.eos_token_ids, config.seed)
+        self.runner.keep_prompt_rows = config.enable_prefix_caching
         log.info("engine ready: %s on %s (%s, %s linear), max_model_len %d, KV pool %d blocks "
                  "of %d tokens (%.0f MiB), prefix caching %s", config.model, self.device,
                  str(self.dtype).removeprefix("torch."), self.linear_kernel, self.max_model_len,

@@ -44,6 +44,9 @@ class ModelRunner:
         self._gather_buffer: torch.Tensor | None = None
         self.eos_token_ids = set(eos_token_ids)
         self.sampler = Sampler(seed)
+        # Prefix caching on: sequences that return hidden states keep their prompt rows until
+        # their blocks are stored (a later request that reuses the blocks needs them).
+        self.keep_prompt_rows = False
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -68,12 +71,21 @@ class ModelRunner:
         result = StepResult(sampled=[])
         for chunk, (r0, r1) in zip(chunks, rows):
             seq = chunk.seq
+            if not seq.return_hidden_states:
+                continue
+            if self.keep_prompt_rows:
+                seq.keep_rows(chunk.start, hidden[r0:r1], embeds[r0:r1])
             # Each position's hidden state goes out once, even when a preempted sequence
             # computes it again.
             skip = max(0, seq.num_hidden_emitted - chunk.start)
-            if seq.return_hidden_states and r0 + skip < r1:
-                result.hidden_states[seq.seq_id] = hidden[r0 + skip:r1]
-                result.input_embeds[seq.seq_id] = embeds[r0 + skip:r1]
+            if r0 + skip < r1:
+                h, e = hidden[r0 + skip:r1], embeds[r0 + skip:r1]
+                if seq.num_hidden_emitted < chunk.start:   # served by the prefix cache
+                    ch, ce = seq.cached_rows
+                    h = torch.cat([ch[seq.num_hidden_emitted:chunk.start], h])
+                    e = torch.cat([ce[seq.num_hidden_emitted:chunk.start], e])
+                result.hidden_states[seq.seq_id] = h
+                result.input_embeds[seq.seq_id] = e
                 seq.num_hidden_emitted = chunk.start + chunk.num_new_tokens
         sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
         if sample_chunks:

@@ -8,6 +8,7 @@ BlockManager.fork). Invariant: tokens [0, num_computed_tokens) have their K/V in
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -54,6 +55,13 @@ class Sequence:
     # Samples 1..n-1 of a request wait here until sample 0 has prefilled the prompt, then
     # fork from it (sharing its blocks) instead of computing the prompt again.
     fork_children: list["Sequence"] = field(default_factory=list)
+    # With return_hidden_states and prefix caching: (hidden, input embeds) rows of the
+    # positions [0, num_cached_tokens) the prefix cache served (their outputs were computed by
+    # an earlier request), and the rows of prompt positions [row_start, num_computed_tokens)
+    # not yet stored with a full block (see BlockManager.register_computed).
+    cached_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    row_start: int = 0
+    pending_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -83,11 +91,47 @@ class Sequence:
             return True
         return self.embed_feed.available(self.num_tokens - 1 - self.num_prompt_tokens)
 
-    @property
-    def cacheable(self) -> bool:
-        """Prefix caching keys blocks by token ids, which embedding prompts do not have; and a
-        cache hit would skip positions whose hidden states were asked for."""
-        return self.prompt_embeds is None and not self.return_hidden_states
+    def block_content(self, i: int, block_size: int) -> tuple | None:
+        """What determines the KV of block i given its parent blocks, for prefix caching: its
+        token ids, plus a digest of the inputs that are not token ids (prompt embeddings,
+        multimodal positions). None: not knowable from the sequence (generated positions of
+        a fed sequence add vectors that are not kept), so the block is never shared."""
+        a, b = i * block_size, (i + 1) * block_size
+        ids = tuple(self.token_ids[a:b])
+        if b > self.num_prompt_tokens:
+            return None if self.embed_feed is not None else ids
+        if self.prompt_embeds is None and self.mrope_positions is None:
+            return ids
+        h = hashlib.blake2b(digest_size=16)
+        for t in (self.prompt_embeds[a:b] if self.prompt_embeds is not None else None,
+                  self.mrope_positions[:, a:b] if self.mrope_positions is not None else None):
+            if t is not None:
+                h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return ids + (h.digest(),)
+
+    def keep_rows(self, start: int, hidden: torch.Tensor, embeds: torch.Tensor) -> None:
+        """Rows of positions [start, start + n) just computed; only prompt positions are kept
+        (they are what later requests can share), until their block is full and stored."""
+        end = min(start + hidden.shape[0], self.num_prompt_tokens)
+        if end <= start:
+            return
+        if start != self.row_start + sum(h.shape[0] for h, _ in self.pending_rows):
+            self.pending_rows, self.row_start = [], start      # recomputed after preemption
+        self.pending_rows.append((hidden[:end - start], embeds[:end - start]))
+
+    def take_rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kept rows of positions [start, end) (a full block), dropping those before end;
+        None when they were not kept."""
+        have = self.row_start + sum(h.shape[0] for h, _ in self.pending_rows)
+        if not self.pending_rows or start < self.row_start or end > have:
+            return None
+        h = torch.cat([h for h, _ in self.pending_rows])
+        e = torch.cat([e for _, e in self.pending_rows])
+        a, b = start - self.row_start, end - self.row_start
+        out = (h[a:b].clone(), e[a:b].clone())     # own storage: not a view of a whole chunk
+        self.pending_rows = [(h[b:], e[b:])] if b < h.shape[0] else []
+        self.row_start = end
+        return out
 
 
 class EmbedFeed:

@@ -221,12 +221,59 @@ def test_prefix_caching_off_gives_no_hits():
     assert bm.match_prefix(make_seq(toks(10))) == []
 
 
-def test_embedding_prompts_are_not_cached():
+def test_embedding_prompts_are_cached_by_content():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = make_seq(toks(10), prompt_embeds=torch.zeros(10, 4))
+    emb = torch.randn(10, 4)
+    a = make_seq(toks(10), prompt_embeds=emb)
     compute(bm, a)
+    # Same ids without the embeddings, or other embeddings: other content, no hit.
     assert bm.match_prefix(make_seq(toks(10))) == []
-    assert bm.match_prefix(make_seq(toks(10), prompt_embeds=torch.zeros(10, 4))) == []
+    other = emb.clone()
+    other[5, 0] += 1e-6                     # block 1 differs in one element
+    assert bm.match_prefix(make_seq(toks(10), prompt_embeds=other)) == a.block_table[:1]
+    assert bm.match_prefix(make_seq(toks(10), prompt_embeds=emb.clone())) == a.block_table[:2]
+
+
+def test_multimodal_positions_are_part_of_the_content():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    pos = torch.arange(10).repeat(3, 1)
+    a = make_seq(toks(10))
+    a.mrope_positions = pos
+    compute(bm, a)
+    b = make_seq(toks(10))
+    b.mrope_positions = pos.clone()
+    assert bm.match_prefix(b) == a.block_table[:2]
+    c = make_seq(toks(10))
+    c.mrope_positions = pos.clone()
+    c.mrope_positions[1, 6] = 0             # another layout from block 1 on
+    assert bm.match_prefix(c) == a.block_table[:1]
+
+
+def test_hidden_state_sequences_hit_only_blocks_with_their_rows():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    plain = make_seq(toks(10))
+    compute(bm, plain)                      # KV only: no rows
+    wants = make_seq(toks(10))
+    wants.return_hidden_states = True
+    assert bm.match_prefix(wants) == []
+    assert bm.match_prefix(make_seq(toks(10))) == plain.block_table[:2]
+    bm.free(plain)
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(toks(10))
+    a.return_hidden_states = True
+    hidden, embeds = torch.randn(10, 3), torch.randn(10, 3)
+    assert bm.allocate(a, 10) == []
+    a.keep_rows(0, hidden, embeds)
+    a.num_computed_tokens = 10
+    bm.register_computed(a, 0)
+    b = make_seq(toks(10) + [7])
+    b.return_hidden_states = True
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:2]
+    assert bm.allocate(b, 3, hits) == []
+    torch.testing.assert_close(b.cached_rows[0], hidden[:8], rtol=0, atol=0)
+    torch.testing.assert_close(b.cached_rows[1], embeds[:8], rtol=0, atol=0)
 
 
 def test_register_computed_only_registers_fully_computed_blocks():

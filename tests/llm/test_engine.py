@@ -183,3 +183,35 @@ def test_forced_tokens_are_the_output_and_end_it(llm):
     assert cut.token_ids == forced[:3] and cut.outputs[0].finish_reason == "length"
     with pytest.raises(Exception, match="forced_token_ids"):
         SamplingParams(n=2, forced_token_ids=forced)
+
+
+def test_prefix_hits_serve_hidden_states_and_embedding_prompts(tiny_qwen2, llm):
+    """A request that returns hidden states, or whose prompt is embeddings, reuses an earlier
+    request's prefix blocks; its tokens and every hidden-state row equal an engine without
+    prefix caching (the rows of cached positions come from the cache)."""
+    shared = _ids(13, 21)["prompt_token_ids"]            # 3 full blocks of 4
+    prompts = [shared + _ids(6 + i, 30 + i)["prompt_token_ids"] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    cold = Omni(tiny_qwen2, block_size=4, enable_prefix_caching=False)
+
+    def run(engine, prompt):
+        out = engine.generate({"prompt_token_ids": prompt}, params, return_hidden_states=True)[0]
+        return out.token_ids, out.outputs[0].hidden_states, out.num_cached_tokens
+
+    hits_before = llm.engine.block_manager.num_prefix_hit_tokens
+    for p in prompts:
+        toks, hidden, _ = run(llm, p)
+        ref_toks, ref_hidden, _ = run(cold, p)
+        assert toks == ref_toks
+        assert hidden.shape == ref_hidden.shape == (len(p) + 4, ref_hidden.shape[1])
+        torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    assert llm.engine.block_manager.num_prefix_hit_tokens - hits_before >= 2 * 12
+
+    # Embedding prompts: the same vectors hit, other vectors (same length) do not.
+    emb = llm.engine.model.embed(torch.tensor(prompts[0])).clone()
+    first = llm.generate({"prompt_embeds": emb}, params)[0]
+    again = llm.generate({"prompt_embeds": emb.clone()}, params)[0]
+    assert again.token_ids == first.token_ids == cold.generate({"prompt_embeds": emb}, params)[0].token_ids
+    assert again.num_cached_tokens == (len(prompts[0]) - 1) // 4 * 4
+    other = llm.generate({"prompt_embeds": emb + 0.01}, params)[0]
+    assert other.num_cached_tokens == 0
