@@ -7,7 +7,7 @@ process or a Ray actor), and the router that wires them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -85,10 +85,10 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
                            eos_token_ids(config.model, tokenizer))
         return ARStage(name, engine)
     if name == "talker":
-        # No text, stops on the codec stop ids, no prefix cache (its prompts are embeddings).
+        # No text, stops on the codec stop ids. Its prompts are embeddings (the thinker's rows):
+        # the prefix cache keys them by content, so the shared system prompt is reused.
         stop = talker_tokens(read_config(model_dir)).stop_ids
-        engine = LLMEngine(replace(config, enable_prefix_caching=False),
-                           load_lm(model_dir, "talker", dtype, dev), None, set(stop))
+        engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev), None, set(stop))
         return ARStage(name, engine)
     if name == "token2wav":
         t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)

@@ -1,0 +1,119 @@
+"""The vocoder stage's scheduling (stages/vocoder.py): first chunks before later ones, later
+chunks held while a newcomer gathers its first codes, long solves advanced in pieces with the
+same result, aborts in the middle of a solve. A small random token2wav: what is under test is
+the stage's order of work, its outputs against a one-shot decode of the same stream."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2_5OmniToken2WavConfig
+
+from omnistage.models.qwen2_5_omni.messages import CodecChunk
+from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig
+from omnistage.stages.vocoder import VocoderSettings, VocoderStage
+
+MEL, CODES = 16, 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = Qwen2_5OmniToken2WavConfig(
+        dit_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                        ff_mult=2, emb_dim=16, block_size=8, look_ahead_layers=[1],
+                        look_backward_layers=[0], repeats=2, num_embeds=CODES, mel_dim=MEL,
+                        enc_emb_dim=8, enc_dim=8, enc_channels=[16, 16, 16, 32], enc_kernel_sizes=[3, 3, 3, 1],
+                        enc_dilations=[1, 2, 3, 1], enc_attention_channels=8, enc_res2net_scale=2,
+                        enc_se_channels=8, dropout=0.0),
+        bigvgan_config=dict(mel_dim=MEL, upsample_initial_channel=64, resblock_kernel_sizes=[3],
+                            resblock_dilation_sizes=[[1, 3]]))
+    t2w = Token2Wav(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in t2w.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return t2w
+
+
+def make_stage(model, **settings) -> VocoderStage:
+    g = torch.Generator().manual_seed(1)
+    voice = SimpleNamespace(cond=torch.randn(1, 8, generator=g), ref_mel=torch.randn(1, 20, MEL, generator=g))
+    base = dict(steps=4, stream=StreamConfig(16, 4, 8), max_hold_s=60.0, intervals_per_step=0)
+    return VocoderStage("token2wav", model, {"v": voice}, VocoderSettings(**{**base, **settings}))
+
+
+def codes(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CODES, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def send(stage: VocoderStage, rid: str, ids: list[int], finished: bool = False) -> None:
+    stage.add(CodecChunk(rid, ids, finished, speaker="v", seed=7 if rid == "a" else 8))
+
+
+def served(outs) -> list[str]:
+    return [o.request_id for o in outs if o.payload.samples.numel() or o.final]
+
+
+def run_to_end(stage: VocoderStage) -> dict[str, torch.Tensor]:
+    pcm: dict[str, list[torch.Tensor]] = {}
+    while stage.has_work():
+        for o in stage.step():
+            pcm.setdefault(o.request_id, []).append(o.payload.samples)
+    return {r: torch.cat(c) for r, c in pcm.items()}
+
+
+def test_first_chunks_go_before_later_ones_and_newcomers_hold_later_chunks(model):
+    stage = make_stage(model)
+    send(stage, "a", codes(60, 0))
+    assert served(stage.step()) == ["a"]              # a's first chunk
+    send(stage, "b", codes(5, 1))                     # b: 5 of the 20 codes its first chunk needs
+    assert not stage.has_work()                       # a's later chunk is held back for b
+    assert stage.step() == []
+    send(stage, "b", codes(15, 2))
+    assert served(stage.step()) == ["b"]              # b's first chunk before a's second
+    assert served(stage.step()) == ["a"]              # nobody gathers: later chunks run
+
+
+def test_hold_ends_after_max_hold_s(model):
+    stage = make_stage(model, max_hold_s=0.0)
+    send(stage, "a", codes(60, 0))
+    stage.step()
+    send(stage, "b", codes(5, 1))
+    assert stage.has_work() and served(stage.step()) == ["a"]
+
+
+def test_solves_in_pieces_equal_whole_solves(model):
+    whole, pieces = make_stage(model), make_stage(model, intervals_per_step=1)
+    for stage in (whole, pieces):
+        send(stage, "a", codes(50, 3), finished=True)
+        send(stage, "b", codes(37, 4), finished=True)
+    a, b = run_to_end(whole), run_to_end(pieces)
+    assert a.keys() == b.keys() == {"a", "b"}
+    for rid in a:
+        assert a[rid].numel() == b[rid].numel() > 0
+        torch.testing.assert_close(a[rid], b[rid], rtol=0, atol=0)
+
+
+def test_later_solve_takes_one_step_per_interval(model):
+    stage = make_stage(model, intervals_per_step=1)      # 4 ODE steps = 3 RK4 intervals
+    send(stage, "a", codes(60, 0))
+    stage.step()                                         # first chunk: whole, at once
+    assert [served(stage.step()) for _ in range(3)] == [[], [], ["a"]]
+
+
+def test_abort_in_the_middle_of_a_solve_frees_everything(model):
+    stage = make_stage(model, intervals_per_step=1)
+    send(stage, "a", codes(60, 0))
+    send(stage, "b", codes(60, 1))
+    stage.step()                                         # both first chunks
+    stage.step()                                         # later chunks of a and b: 1 of 3 intervals
+    assert stage._solve is not None
+    stage.abort("a")
+    assert stage._solve is not None and stage.num_requests() == 1   # b still in it
+    out = [o.request_id for _ in range(2) for o in stage.step()]
+    assert out == ["b"]                                  # a's chunk is dropped, b's comes out
+    stage.abort("b")
+    assert stage.num_requests() == 0 and stage._solve is None and not stage.has_work()
