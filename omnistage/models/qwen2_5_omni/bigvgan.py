@@ -9,6 +9,7 @@ samples as a run over the whole utterance (the streaming vocoder relies on it).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +161,30 @@ def _normalise_log_mel(mel: torch.Tensor) -> torch.Tensor:
     return torch.clamp(2 * ((db + 115) / 115) - 1, -1.0, 1.0)
 
 
+@dataclass
+class VocoderJob:
+    """One vocoder window of a stream: mel (mel_dim, frames) from absolute frame `lo`; the
+    samples of frames [done, end) are new."""
+    window: torch.Tensor
+    lo: int
+    end: int
+
+
+@torch.no_grad()
+def vocode_windows(vocoder: BigVGAN, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """BigVGAN over several (mel_dim, frames) windows: equal lengths share one batched pass
+    (small windows, such as many streams' first chunks, cost little more together than one)."""
+    out: list[torch.Tensor | None] = [None] * len(windows)
+    by_len: dict[int, list[int]] = {}
+    for i, w in enumerate(windows):
+        by_len.setdefault(w.shape[1], []).append(i)
+    for idx in by_len.values():
+        wav = vocoder(torch.stack([windows[i] for i in idx]))
+        for row, i in enumerate(idx):
+            out[i] = wav[row]
+    return out
+
+
 class VocoderStream:
     """BigVGAN over mel that arrives in pieces. Each push vocodes the frames that have `context`
     frames of right context (every frame when final) over a window with `context` frames of
@@ -176,17 +201,26 @@ class VocoderStream:
     @torch.no_grad()
     def push(self, mel: torch.Tensor, final: bool = False) -> torch.Tensor | None:
         """mel (mel_dim, frames) following what was pushed before -> new samples, or None."""
+        job = self.plan(mel, final)
+        return None if job is None else self.complete(job, self.vocoder(job.window.unsqueeze(0))[0])
+
+    def plan(self, mel: torch.Tensor, final: bool = False) -> VocoderJob | None:
+        """Take mel (see push); the window to vocode for the new samples, or None (none yet).
+        complete() must follow with the window's waveform before the next plan()."""
         self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=1)
         total = self.start + self.mel.shape[1]
         end = total if final else total - self.context
         if end <= self.done:
             return None
         lo = max(self.start, self.done - self.context)
-        wav = self.vocoder(self.mel[:, lo - self.start:].unsqueeze(0))[0]
+        return VocoderJob(self.mel[:, lo - self.start:], lo, end)
+
+    def complete(self, job: VocoderJob, wav: torch.Tensor) -> torch.Tensor:
+        """wav: the vocoder's output (samples,) over job.window -> the new samples."""
         hop = self.vocoder.hop
-        pcm = wav[(self.done - lo) * hop:(end - lo) * hop]
-        keep = max(self.start, end - self.context)
-        self.mel, self.start, self.done = self.mel[:, keep - self.start:], keep, end
+        pcm = wav[(self.done - job.lo) * hop:(job.end - job.lo) * hop]
+        keep = max(self.start, job.end - self.context)
+        self.mel, self.start, self.done = self.mel[:, keep - self.start:], keep, job.end
         return pcm
 
     def pending(self) -> bool:

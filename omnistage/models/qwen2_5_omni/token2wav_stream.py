@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
+from omnistage.models.qwen2_5_omni.bigvgan import VocoderJob, VocoderStream, vocode_windows
 from omnistage.models.qwen2_5_omni.token2wav import (DiTJob, NoiseSource, OdeSolve, Token2Wav,
                                                      check_settings)
 
@@ -159,12 +159,18 @@ class Token2WavStream:
 
     def accept(self, plan: ChunkPlan, mel: torch.Tensor) -> torch.Tensor | None:
         """Take the window's mel (frames, mel_dim); returns new PCM, if any."""
+        job = self.take_mel(plan, mel)
+        return None if job is None else self.vocoder.complete(job, vocode_windows(self.model.vocoder, [job.window])[0])
+
+    def take_mel(self, plan: ChunkPlan, mel: torch.Tensor) -> VocoderJob | None:
+        """accept() up to the vocoder: the window BigVGAN must run over for the new PCM (then
+        self.vocoder.complete(job, wav)), or None."""
         self.next = plan.chunk_end
         self.num_chunks += 1
         ws = self._window_start(self.next)          # nothing before it is needed again
         self.codes, self.codes_start = self.codes[ws - self.codes_start:], ws
         self.noise.release(ws * self.repeats)
-        return self.vocoder.push(mel[plan.keep[0]:plan.keep[1]].T,
+        return self.vocoder.plan(mel[plan.keep[0]:plan.keep[1]].T,
                                  final=self.finishing and self.next == self.received)
 
     def _window_start(self, chunk_start: int) -> int:
@@ -199,10 +205,16 @@ class StreamSolve:
         return self.ode.advance(intervals)
 
     def finish(self) -> list[torch.Tensor | None]:
-        """Each stream's new PCM (None: none yet, or the stream was closed)."""
-        mels = self.ode.result()
-        return [None if s.closed else s.accept(p, mel)
-                for s, p, mel in zip(self.streams, self.plans, mels)]
+        """Each stream's new PCM (None: none yet, or the stream was closed). The vocoder
+        windows of equal length run as one batch."""
+        jobs = [None if s.closed else s.take_mel(p, mel)
+                for s, p, mel in zip(self.streams, self.plans, self.ode.result())]
+        live = [i for i, j in enumerate(jobs) if j is not None]
+        wavs = vocode_windows(self.streams[0].model.vocoder, [jobs[i].window for i in live])
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        for i, wav in zip(live, wavs):
+            out[i] = self.streams[i].vocoder.complete(jobs[i], wav)
+        return out
 
 
 def step_streams(streams: list[Token2WavStream]) -> list[torch.Tensor | None]:

@@ -182,13 +182,13 @@ FAST = 4
 def _stream_all(ours, codes, cond, ref, noise, cfg, one_by_one=False, steps=10):
     """Returns the PCM chunks and the streamed mel (recorded from each chunk's kept frames)."""
     stream, mels = Token2WavStream(ours, cond, ref, noise, cfg, steps=steps), []
-    accept = stream.accept
+    take_mel = stream.take_mel
 
     def record(plan, mel):
         mels.append(mel[plan.keep[0]:plan.keep[1]])
-        return accept(plan, mel)
+        return take_mel(plan, mel)
 
-    stream.accept = record
+    stream.take_mel = record
     if one_by_one:
         chunks = [c for code in codes for c in stream.push(code.view(1))]
     else:
