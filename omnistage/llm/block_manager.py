@@ -43,6 +43,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockKey, int] = {}
+        # Hidden-state rows live outside the KV pool (per block about half of a large model's
+        # K/V at fp32): at most a quarter of the blocks keep them.
+        self.max_blocks_with_rows = num_blocks // 4
+        self.num_blocks_with_rows = 0
         self.num_prefix_hit_tokens = 0      # statistics
         self.num_prefix_query_tokens = 0
 
@@ -145,8 +149,11 @@ class BlockManager:
             rows = seq.take_rows(i * bs, (i + 1) * bs) if seq.return_hidden_states else None
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self._cached:
-                block.key, block.rows = key, rows
+                block.key = key
                 self._cached[key] = block.block_id
+                if rows is not None and self.num_blocks_with_rows < self.max_blocks_with_rows:
+                    block.rows = rows
+                    self.num_blocks_with_rows += 1
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are evicted first."""
@@ -174,6 +181,8 @@ class BlockManager:
         if block.key is not None:  # evict its cached content
             if self._cached.get(block.key) == b:
                 del self._cached[block.key]
+            if block.rows is not None:
+                self.num_blocks_with_rows -= 1
             block.key = block.rows = None
         block.ref_count = 1
         return b

@@ -274,6 +274,24 @@ def test_hidden_state_sequences_hit_only_blocks_with_their_rows():
     assert bm.allocate(b, 3, hits) == []
     torch.testing.assert_close(b.cached_rows[0], hidden[:8], rtol=0, atol=0)
     torch.testing.assert_close(b.cached_rows[1], embeds[:8], rtol=0, atol=0)
+    assert bm.num_blocks_with_rows == 2 == bm.max_blocks_with_rows   # 8 blocks // 4
+
+
+def test_rows_are_bounded_and_released_with_their_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)             # rows for at most 2 blocks
+    a = make_seq(toks(13))
+    a.return_hidden_states = True
+    assert bm.allocate(a, 13) == []
+    a.keep_rows(0, torch.randn(13, 3), torch.randn(13, 3))
+    a.num_computed_tokens = 13
+    bm.register_computed(a, 0)                               # 3 full blocks, 2 keep rows
+    assert [bm.blocks[b].rows is not None for b in a.block_table[:3]] == [True, True, False]
+    bm.free(a)
+    for n in range(4):                                       # reuse every block: evictions
+        s = make_seq(toks(8, 200 + 20 * n))
+        compute(bm, s)
+        bm.free(s)
+    assert bm.num_blocks_with_rows == sum(b.rows is not None for b in bm.blocks) == 0
 
 
 def test_register_computed_only_registers_fully_computed_blocks():
