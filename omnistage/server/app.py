@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage import __version__
 from omnistage.entrypoints.async_omni import AsyncOmni
-from omnistage.errors import EngineDeadError, InvalidRequestError
+from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
 from omnistage.outputs import Delta
 from omnistage.media.fetch import MediaFetchPolicy
 from omnistage.server.audio_routes import add_audio_routes
 from omnistage.server.body_limit import BodyLimitMiddleware
-from omnistage.server.errors import error_response
+from omnistage.server.errors import error_event, error_response
 from omnistage.server.streams import chain
 from omnistage.server.metrics import ServerMetrics
 from omnistage.entrypoints.engines import OutputOptions, is_diffusion
@@ -231,26 +231,30 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    async for d in chain(first, deltas):   # closing this generator aborts the request
-        prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
-        completion_tokens += len(d.token_ids)
-        if not (d.text or d.finished or d.index not in started or d.audio is not None):
-            continue
-        if chat:
-            delta = {"content": d.text}
-            if d.index not in started:
-                delta["role"] = "assistant"
-            if speaks and (d.text or d.audio is not None):
-                delta["audio"] = stream_audio_delta(audio_id, d)
-            choice = {"index": d.index, "delta": delta, "finish_reason": None, "logprobs": None}
-            if d.logprobs:
-                choice["logprobs"] = _chat_logprobs(engine, d.logprobs)
-        else:
-            choice = {"index": d.index, "text": d.text, "finish_reason": None, "logprobs": None}
-        started.add(d.index)
-        if d.finished:
-            choice["finish_reason"] = _finish_reason(d)
-        yield event([choice])
+    try:
+        async for d in chain(first, deltas):   # closing this generator aborts the request
+            prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+            completion_tokens += len(d.token_ids)
+            if not (d.text or d.finished or d.index not in started or d.audio is not None):
+                continue
+            if chat:
+                delta = {"content": d.text}
+                if d.index not in started:
+                    delta["role"] = "assistant"
+                if speaks and (d.text or d.audio is not None):
+                    delta["audio"] = stream_audio_delta(audio_id, d)
+                choice = {"index": d.index, "delta": delta, "finish_reason": None, "logprobs": None}
+                if d.logprobs:
+                    choice["logprobs"] = _chat_logprobs(engine, d.logprobs)
+            else:
+                choice = {"index": d.index, "text": d.text, "finish_reason": None, "logprobs": None}
+            started.add(d.index)
+            if d.finished:
+                choice["finish_reason"] = _finish_reason(d)
+            yield event([choice])
+    except OmniStageError as e:   # a stage failed or refused mid-stream: say so, then end
+        yield error_event(e)
+        return
     if include_usage:
         yield event([], _usage(prompt_tokens, completion_tokens))
     yield "data: [DONE]\n\n"

@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.entrypoints.engines import OutputOptions, is_pipeline
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.media.audio import decode_audio
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.streams import chain
+from omnistage.server.errors import error_event
 
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
 TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."
@@ -126,10 +127,14 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
 
 
 async def _speech_sse(first, deltas):
-    async for d in chain(first, deltas):
-        if d.audio is not None:
-            pcm = encode_audio(d.audio, d.sample_rate, "pcm")
-            yield f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(pcm).decode()})}\n\n"
+    try:
+        async for d in chain(first, deltas):
+            if d.audio is not None:
+                pcm = encode_audio(d.audio, d.sample_rate, "pcm")
+                yield f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(pcm).decode()})}\n\n"
+    except OmniStageError as e:   # a stage failed mid-stream: say so instead of a silent end
+        yield error_event(e)
+        return
     yield f"data: {json.dumps({'type': 'speech.audio.done'})}\n\n"
 
 

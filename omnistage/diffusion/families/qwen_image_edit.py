@@ -168,7 +168,8 @@ class QwenImageEditFamily(QwenImageFamily):
     def _check_size(self, height: int, width: int) -> None:
         if height < 32 or width < 32:
             raise InvalidRequestError("an input image's aspect ratio is too extreme for this model "
-                                      "(wider or taller than ~1000:1); crop it", param="image")
+                                      "(its shorter side would scale below 32 pixels); crop it",
+                                      param="image")
 
     def prompt_text(self, prompt: str, num_images: int) -> str:
         return EDIT_TEMPLATE.format(prompt)
