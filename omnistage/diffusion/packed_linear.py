@@ -15,25 +15,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnistage.models.layers import onednn_linear_available
+from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear
 
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().contiguous()                       # (out, in)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        w = linear.weight.detach()                                    # (out, in)
+        self.packed = pack_weight(w)
         self.bias = None if linear.bias is None else linear.bias.detach()
         # Models read `.weight.dtype` / `.device` of their layers (e.g. to cast inputs): an
         # empty stand-in answers those; anything that needs the values fails loudly.
         self.register_buffer("weight", w.new_empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
-                                               self.bias, "none", [], "")
-        return y.view(*lead, self.out_features)
+        return packed_linear(x, self.packed, self.bias)
 
 
 def pack_linears(model: nn.Module) -> int:

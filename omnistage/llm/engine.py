@@ -21,7 +21,8 @@ from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
 from omnistage.llm.model_runner import ModelRunner, SampledToken
 from omnistage.llm.scheduler import Scheduler
 from omnistage.llm.sequence import EmbedFeed, SeqIdCounter, Sequence
-from omnistage.models.layers import onednn_linear_available, pack_linears
+from omnistage.models.layers import pack_linears
+from omnistage.models.onednn import onednn_linear_available
 from omnistage.models.loader import load_model, read_config
 from omnistage.outputs import Delta, TokenLogprob
 from omnistage.sampling_params import SamplingParams

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.onednn import pack_weight, packed_linear
+
 
 class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias). `shard_sizes` splits the output columns into merged parts
@@ -48,22 +50,15 @@ class TransposedLinear(nn.Module):
 
     def pack_for_onednn(self) -> None:
         """Move the weight into oneDNN's layout and drop the plain copy."""
-        w = self.weight_t.detach().t().contiguous()           # (out, in)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        self.weight_t = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        self.packed = pack_weight(self.weight_t.t())          # (out, in)
+        self.weight_t = nn.Parameter(torch.empty(0, dtype=self.weight_t.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         if self.bias is None:
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
-
-
-def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN's packed linear serves fp32 on CPUs of torch builds that include it."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_linears(model: nn.Module) -> int:

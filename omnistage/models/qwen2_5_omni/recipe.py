@@ -15,7 +15,7 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
 from omnistage.llm.engine import LLMEngine, eos_token_ids, load_tokenizer
-from omnistage.models.layers import onednn_linear_available
+from omnistage.models.onednn import onednn_linear_available
 from omnistage.models.loader import iter_weights, read_config, safetensors_files
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen2_5_omni.encoders import OmniEncoders

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers import onednn_linear_available
+from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear
 
 
 class DiTLinear(nn.Linear):
@@ -31,16 +31,14 @@ class DiTLinear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack_for_onednn(self) -> None:
-        w = self.weight.detach().contiguous()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        w = self.weight
+        self.packed = pack_weight(w)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias,
-                                               "none", [], "")
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return packed_linear(x, self.packed, self.bias)
 
 
 # ---------------------------------------------------------------- ECAPA-TDNN speaker encoder
@@ -290,8 +288,7 @@ class FeedForward(nn.Module):
         if up.packed is not None and not torch.is_autocast_enabled(x.device.type):
             # GELU as the GEMM's post-op: one pass over the activations instead of two
             # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's).
-            h = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), up.packed, up.bias,
-                                                   "gelu", [], "tanh").view(*x.shape[:-1], -1)
+            h = packed_linear(x, up.packed, up.bias, "gelu", "tanh")
         else:
             h = F.gelu(up(x), approximate="tanh")
         return self.ff["3"](h)
