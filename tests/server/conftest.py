@@ -73,6 +73,13 @@ def server(tiny_qwen2):
         yield running.base
 
 
+@pytest.fixture(scope="module")
+def omni_server(tiny_omni):
+    """A tiny Qwen2.5-Omni server (matmul linears) for the module that asks for it."""
+    with running_server(tiny_omni, "--linear-kernel", "matmul") as running:
+        yield running.base
+
+
 @pytest.fixture(scope="session")
 def start_server():
     """`with start_server(model_dir, *flags) as running:` (running.base, running.proc) for tests

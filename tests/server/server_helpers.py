@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import httpx
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG signature + IHDR declaring `width` x `height`, then one tiny IDAT: the header lies."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)      # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def cut_off_streams(base: str, auth: dict, body: dict, count: int, lines_cycle: int,

@@ -11,9 +11,7 @@ import base64
 import contextlib
 import io
 import re
-import struct
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -22,6 +20,7 @@ import pytest
 from PIL import Image
 
 from omnistage.entrypoints.model_source import tiny_checkpoint
+from server_helpers import png_claiming
 
 GEN, EDIT, VIDEOS = "/v1/images/generations", "/v1/images/edits", "/v1/videos"
 BODY_LIMIT_MB = 1
@@ -40,14 +39,6 @@ def image(mode: str = "RGB", fmt: str = "PNG", size: tuple[int, int] = (32, 32),
     buf = io.BytesIO()
     Image.new(mode, size).save(buf, fmt, **save)
     return buf.getvalue()
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A PNG signature + IHDR declaring `width` x `height`, then one tiny IDAT: the header lies."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)      # 8-bit RGB
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def data_url(raw: bytes) -> str:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import zlib
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 import openai
 import pytest
+
+from server_helpers import png_claiming
 
 CHAT, SPEECH, TRANSCRIBE = "/v1/chat/completions", "/v1/audio/speech", "/v1/audio/transcriptions"
 BODY_LIMIT_MB = 4
@@ -49,14 +50,6 @@ def png(width: int = 40, height: int = 30) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.full((height, width, 3), 128, np.uint8)).save(buf, "PNG")
     return buf.getvalue()
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A PNG signature + IHDR declaring `width` x `height`, then one tiny IDAT: the header lies."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)      # 8-bit RGB
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def gif_claiming(width: int, height: int) -> bytes:

@@ -23,12 +23,6 @@ MESSAGES = [{"role": "user", "content": "Say hello to the sea."}]
 
 
 @pytest.fixture(scope="module")
-def omni_server(start_server, tiny_omni):
-    with start_server(tiny_omni, "--linear-kernel", "matmul") as running:
-        yield running.base
-
-
-@pytest.fixture(scope="module")
 def client(omni_server, api_key):
     return openai.OpenAI(base_url=f"{omni_server}/v1", api_key=api_key, max_retries=0, timeout=120)
 
