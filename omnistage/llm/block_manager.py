@@ -56,20 +56,15 @@ class BlockManager:
 
     # ---- content keys ---------------------------------------------------------------------
     def _keys(self, seq: Sequence, first: int, last: int) -> list[BlockKey]:
-        """Keys of full blocks [first, last) of seq's tokens (extends seq.block_hashes)."""
-        bs = self.block_size
-        keys = []
-        parent = seq.block_hashes[first - 1] if first else 0
-        for i in range(first, last):
-            content = seq.block_content(i, bs)
+        """Keys of full blocks [first, last) of seq's tokens, up to the first block that cannot
+        be shared; computed once per block (digests included) and kept in seq.block_keys."""
+        keys = seq.block_keys
+        while len(keys) < last:
+            content = seq.block_content(len(keys), self.block_size)
             if content is None:        # not shareable, nor is anything after it
                 break
-            key = (parent, content)
-            if i == len(seq.block_hashes):
-                seq.block_hashes.append(hash(key))
-            parent = seq.block_hashes[i]
-            keys.append(key)
-        return keys
+            keys.append((hash(keys[-1]) if keys else 0, content))
+        return keys[first:last]
 
     # ---- admission ------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -129,7 +124,7 @@ class BlockManager:
         for b in parent.block_table:
             self.blocks[b].ref_count += 1
         child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        child.block_keys = list(parent.block_keys)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
 
@@ -142,10 +137,7 @@ class BlockManager:
         first, last = num_before // bs, seq.num_computed_tokens // bs
         if first == last:
             return
-        start = min(first, len(seq.block_hashes))   # keys chain from the last known hash
-        for i, key in enumerate(self._keys(seq, start, last), start=start):
-            if i < first:
-                continue
+        for i, key in enumerate(self._keys(seq, first, last), start=first):
             rows = seq.take_rows(i * bs, (i + 1) * bs) if seq.return_hidden_states else None
             block = self.blocks[seq.block_table[i]]
             if block.key is None and key not in self._cached:

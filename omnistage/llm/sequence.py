@@ -48,8 +48,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served by the prefix cache
-    # Hashes of this sequence's full blocks, in order (filled lazily by the BlockManager).
-    block_hashes: list[int] = field(default_factory=list)
+    # Prefix-cache keys of this sequence's full blocks, in order (filled lazily by the
+    # BlockManager): (hash of the previous key, block content).
+    block_keys: list[tuple] = field(default_factory=list)
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     stop_reason: int | str | None = None     # the stop token id or string that ended it
     # Samples 1..n-1 of a request wait here until sample 0 has prefilled the prompt, then
@@ -125,8 +126,10 @@ class Sequence:
         have = self.row_start + sum(h.shape[0] for h, _ in self.pending_rows)
         if not self.pending_rows or start < self.row_start or end > have:
             return None
-        h = torch.cat([h for h, _ in self.pending_rows])
-        e = torch.cat([e for _, e in self.pending_rows])
+        if len(self.pending_rows) > 1:   # a block spans chunks: join them once
+            self.pending_rows = [(torch.cat([h for h, _ in self.pending_rows]),
+                                  torch.cat([e for _, e in self.pending_rows]))]
+        h, e = self.pending_rows[0]
         a, b = start - self.row_start, end - self.row_start
         out = (h[a:b].clone(), e[a:b].clone())     # own storage: not a view of a whole chunk
         self.pending_rows = [(h[b:], e[b:])] if b < h.shape[0] else []

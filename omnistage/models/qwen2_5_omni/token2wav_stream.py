@@ -157,14 +157,9 @@ class Token2WavStream:
                      self.noise.frames(ws * r, we * r), self.speaker, self.guidance, ws * r)
         return ChunkPlan(job, ((cs - ws) * r, (ce - ws) * r), ce)
 
-    def accept(self, plan: ChunkPlan, mel: torch.Tensor) -> torch.Tensor | None:
-        """Take the window's mel (frames, mel_dim); returns new PCM, if any."""
-        job = self.take_mel(plan, mel)
-        return None if job is None else self.vocoder.complete(job, vocode_windows(self.model.vocoder, [job.window])[0])
-
     def take_mel(self, plan: ChunkPlan, mel: torch.Tensor) -> VocoderJob | None:
-        """accept() up to the vocoder: the window BigVGAN must run over for the new PCM (then
-        self.vocoder.complete(job, wav)), or None."""
+        """Take the window's mel (frames, mel_dim) and move past the chunk; returns the window
+        BigVGAN must run over for the new PCM (then self.vocoder.complete(job, wav)), or None."""
         self.next = plan.chunk_end
         self.num_chunks += 1
         ws = self._window_start(self.next)          # nothing before it is needed again
