@@ -136,11 +136,6 @@ class OdeSolve:
     def done(self) -> bool:
         return self.interval >= len(self.grid) - 1
 
-    @property
-    def frames(self) -> int:
-        """Mel frames the solve carries (its cost per DiT pass)."""
-        return sum(self.lengths)
-
     def _velocity(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n, cfg = self.n, self.cfg
         xr = torch.cat([x, x if self.all_cfg else x[self.cfg_idx]]) if cfg else x
