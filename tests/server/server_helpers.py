@@ -4,8 +4,34 @@ from __future__ import annotations
 
 import struct
 import zlib
+from dataclasses import dataclass, field
 
 import httpx
+
+
+@dataclass
+class Req:
+    """A hostile-input case's request: a JSON body, or raw bytes (application/json unless
+    headers say otherwise), or multipart (`files` a dict, or a list of (field, (name, bytes,
+    mime)) so that a field may repeat)."""
+    path: str
+    json: object = None
+    content: bytes | None = None
+    files: dict | list | None = None
+    data: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+
+
+def send(http: httpx.Client, req: Req) -> httpx.Response:
+    """POST it. Connection: close, so that a badly answered case cannot poison the next one's
+    connection."""
+    headers = {"Connection": "close", **req.headers}
+    if req.files is not None:
+        return http.post(req.path, files=req.files or None, data=req.data, headers=headers)
+    if req.content is not None:
+        headers.setdefault("Content-Type", "application/json")
+        return http.post(req.path, content=req.content, headers=headers)
+    return http.post(req.path, json=req.json, headers=headers)
 
 
 def png_claiming(width: int, height: int) -> bytes:

@@ -13,14 +13,13 @@ import io
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from PIL import Image
 
 from omnistage.entrypoints.model_source import tiny_checkpoint
-from server_helpers import png_claiming
+from server_helpers import Req, png_claiming, send
 
 GEN, EDIT, VIDEOS = "/v1/images/generations", "/v1/images/edits", "/v1/videos"
 BODY_LIMIT_MB = 1
@@ -47,18 +46,6 @@ def data_url(raw: bytes) -> str:
 
 GOOD, TEXT, BOMB = image(), b"I am definitely a PNG, trust me.\n" * 4, png_claiming(100_000, 100_000)
 OVER_LIMIT, DEEP = b"\0" * (BODY_LIMIT_MB * 2**20 + 1), 10_000     # DEEP: JSON nesting levels
-
-
-@dataclass
-class Req:
-    """A JSON body, or raw bytes with their content type, or multipart (`files` a list of
-    (field, (name, bytes, mime)), so that a field may repeat)."""
-    path: str
-    json: object = None
-    content: bytes | None = None
-    files: list | None = None
-    data: dict = field(default_factory=dict)
-    headers: dict = field(default_factory=dict)
 
 
 def raw(path: str, content: bytes, ctype: str = "application/json") -> Req:
@@ -120,16 +107,6 @@ def clients(start_server, api_key):
         yield {k: stack.enter_context(httpx.Client(base_url=f.result().base, timeout=TIMEOUT_S,
                                                    headers={"Authorization": f"Bearer {api_key}"}))
                for k, f in started.items()}
-
-
-def send(http: httpx.Client, req: Req) -> httpx.Response:
-    """Connection: close, so that a badly answered case cannot poison the next one's connection."""
-    headers = {"Connection": "close", **req.headers}
-    if req.files is not None:
-        return http.post(req.path, files=req.files or None, data=req.data, headers=headers)
-    if req.content is not None:
-        return http.post(req.path, content=req.content, headers=headers)
-    return http.post(req.path, json=req.json, headers=headers)
 
 
 def assert_openai_error(r: httpx.Response, status: int = 400, param="any") -> dict:

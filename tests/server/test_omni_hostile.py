@@ -9,14 +9,13 @@ from __future__ import annotations
 import base64
 import io
 import struct
-from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
-from server_helpers import png_claiming
+from server_helpers import Req, png_claiming, send
 
 CHAT, SPEECH, TRANSCRIBE = "/v1/chat/completions", "/v1/audio/speech", "/v1/audio/transcriptions"
 BODY_LIMIT_MB = 4
@@ -117,17 +116,6 @@ def speech(**over) -> dict:
     return {"model": "tiny", "input": "Hello.", "voice": "Ethan", **over}
 
 
-@dataclass
-class Req:
-    """A JSON body, or raw bytes (application/json unless headers say otherwise), or multipart."""
-    path: str
-    json: object = None
-    content: bytes | None = None
-    files: dict | None = None
-    data: dict = field(default_factory=dict)
-    headers: dict = field(default_factory=dict)
-
-
 def form(file: tuple | None = ("a.wav", wav(), "audio/wav"), model="tiny", **fields) -> Req:
     """A multipart transcription request; None leaves the file or the model out."""
     model_field = {} if model is None else {"model": model}
@@ -148,17 +136,6 @@ def http(start_server, tiny_omni, api_key):
 @pytest.fixture(scope="module")
 def sdk(http, api_key):
     return openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key=api_key, max_retries=0, timeout=60)
-
-
-def send(http: httpx.Client, req: Req) -> httpx.Response:
-    """Connection: close, so that a badly answered case cannot poison the next one's connection."""
-    headers = {"Connection": "close", **req.headers}
-    if req.files is not None:
-        return http.post(req.path, files=req.files, data=req.data, headers=headers)
-    if req.content is not None:
-        headers.setdefault("Content-Type", "application/json")
-        return http.post(req.path, content=req.content, headers=headers)
-    return http.post(req.path, json=req.json, headers=headers)
 
 
 def assert_openai_error(r: httpx.Response) -> dict:
