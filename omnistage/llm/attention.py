@@ -5,7 +5,9 @@ one gather of a batch of block tables yields (2, Hkv, B, L, D) contiguously, rea
 matmuls with no transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
 offset) before attention reads them.
 
-One step's tokens are ordered: single-token decodes first, then prefill chunks.
+One step's tokens are ordered: single-token decodes first, then prefill chunks. Decodes run
+either as one native kernel call per layer reading the blocks in place (`DecodeBatch`, CPU
+float32, omnistage/kernels/paged_decode.c) or in plain PyTorch, gathered per `DecodeGroup`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from omnistage.kernels.paged_decode import PagedDecodeKernel
 
 
 @dataclass
@@ -34,14 +38,25 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every single-token decode of the step (rows [0, B)), for the native kernel."""
+    tables: torch.Tensor            # (B, W) int64 block tables, padded with block 0
+    lens: torch.Tensor              # (B,) int64 context lengths, the new token included
+    kernel: PagedDecodeKernel
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # (T,) int64 cache slot of each new token
-    decodes: list[DecodeGroup]      # cover rows [0, num_decode), shortest contexts first
+    # The decodes, rows [0, num_decode), shortest contexts first: either groups for the
+    # PyTorch path or one native batch (then `decodes` is empty).
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     # Flat scratch buffer, large enough for this step's largest gather. Gathers land here
     # instead of in fresh tensors: a fresh multi-MB tensor per layer costs its page faults
     # every time (5x the copy itself, measured).
     workspace: torch.Tensor | None = None
+    decode_batch: DecodeBatch | None = None
 
 
 class KVCache:
@@ -91,7 +106,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, Hq, D)."""
     cache.write(k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if meta.decode_batch is not None:
+        batch = meta.decode_batch
+        n = batch.lens.shape[0]
+        batch.kernel(q[:n], cache.kv, batch.tables, batch.lens, out[:n], scale)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.size)
         out[rows] = _decode(q[rows], cache, group, scale, meta.workspace)

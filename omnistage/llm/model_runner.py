@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.llm.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillSpan
+from omnistage.kernels.paged_decode import PagedDecodeKernel
+from omnistage.llm.attention import AttentionMetadata, DecodeBatch, DecodeGroup, KVCache, PrefillSpan
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
@@ -33,8 +34,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0):
+                 dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0,
+                 decode_kernel: PagedDecodeKernel | None = None):
         self.model = model
+        # Native decode attention (one call per layer, blocks read in place), or None: the
+        # PyTorch path that gathers contexts per length group.
+        self.decode_kernel = decode_kernel
         self.device = device
         self.block_size = block_size
         num_layers, num_kv_heads, head_dim = model.kv_shape
@@ -119,12 +124,20 @@ class ModelRunner:
                 bt = None if start == 0 else torch.tensor(ctx_blocks, device=dev)
                 prefills.append(PrefillSpan(r0, n, start + n, bt))
         lens = [pos[r0] + 1 for r0, _ in rows[:len(decode_tables)]]
-        decodes = self._decode_groups(decode_tables, lens)
+        decodes, decode_batch = [], None
+        if decode_tables and self.decode_kernel is not None:
+            width = max(len(t) for t in decode_tables)
+            decode_batch = DecodeBatch(
+                torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev),
+                torch.tensor(lens, dtype=torch.int64, device=dev), self.decode_kernel)
+        else:
+            decodes = self._decode_groups(decode_tables, lens)
         gathered = [g.block_tables.numel() for g in decodes]
         gathered += [p.block_table.numel() for p in prefills if p.block_table is not None]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decodes=decodes, prefills=prefills, workspace=self._workspace(max(gathered, default=0)))
+            decodes=decodes, prefills=prefills, workspace=self._workspace(max(gathered, default=0)),
+            decode_batch=decode_batch)
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta, rows)
 

@@ -50,11 +50,16 @@ def _run(model_dir: str, prompts, **options):
     return llm, [o.token_ids for o in outs], outs
 
 
+# Block sizes of 16 run decodes through the native kernel (where a C compiler builds it),
+# others through the PyTorch path; "torch_attention" forces the latter at the default size.
 REGIMES = {
     "default": {},
+    "torch_attention": {"attention_kernel": "torch"},
     "no_prefix_cache": {"enable_prefix_caching": False},
     "chunked_prefill": {"max_num_batched_tokens": 8, "block_size": 4},
+    "chunked_prefill_bs16": {"max_num_batched_tokens": 8},
     "preemption": {"num_kv_blocks": 40, "block_size": 8, "max_model_len": 300},
+    "preemption_bs16": {"num_kv_blocks": 20, "max_model_len": 300},
 }
 
 
@@ -66,7 +71,7 @@ def test_greedy_tokens_match_transformers(tiny_model, reference, regime):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) differs under {regime}"
     engine = llm.engine
     assert engine.num_free_blocks == engine.num_blocks
-    if regime == "preemption":
+    if regime.startswith("preemption"):
         assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
 
 

@@ -1,0 +1,123 @@
+"""The native decode attention (omnistage/kernels/paged_decode.c) against softmax(q k^T) v over
+contiguous keys, and its selection by `attention_kernel`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+from omnistage.errors import InvalidRequestError
+from omnistage.kernels.build import NativeBuildError, compiler
+from omnistage.kernels.paged_decode import PagedDecodeKernel, unsupported_reason
+from omnistage.llm.attention import KVCache
+
+try:
+    compiler()
+    HAVE_CC = True
+except NativeBuildError:
+    HAVE_CC = False
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the kernel")
+
+
+def _case(hq, hkv, d, bs, lens, seed, spread=1.0):
+    """A cache with each sequence's blocks scattered over the pool, and strided queries."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // bs) for n in lens) + 5
+    cache = KVCache(hkv, num_blocks, bs, d, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, k = [], 0
+    for n in lens:
+        tables.append(perm[k:k + -(-n // bs)])
+        k += -(-n // bs)
+    # Queries as a slice of a wider projection row, like q out of the fused qkv output.
+    wide = torch.randn(len(lens), (hq + 3) * d, generator=g) * spread
+    q = wide[:, :hq * d].view(len(lens), hq, d)
+    return cache, tables, q
+
+
+def _reference(cache: KVCache, tables, lens, q, scale):
+    """Plain attention per sequence over its keys laid out contiguously."""
+    hq, hkv = q.shape[1], cache.kv.shape[1]
+    outs = []
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        kv = cache.kv[:, :, table].flatten(2, 3)[:, :, :n]          # (2, Hkv, n, D)
+        k = kv[0].repeat_interleave(hq // hkv, dim=0)                # (Hq, n, D)
+        v = kv[1].repeat_interleave(hq // hkv, dim=0)
+        scores = torch.einsum("hd,hnd->hn", q[i].double(), k.double()) * scale
+        outs.append(torch.einsum("hn,hnd->hd", scores.softmax(-1), v.double()))
+    return torch.stack(outs).float()
+
+
+def _run_kernel(kernel, cache, tables, lens, q, scale):
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = torch.full(q.shape, float("nan"))
+    kernel(q, cache.kv, padded, torch.tensor(lens), out, scale)
+    return out
+
+
+@needs_cc
+@pytest.mark.parametrize("hq,hkv,d,bs", [(4, 2, 16, 16), (8, 2, 64, 16), (7, 1, 32, 32),
+                                         (2, 2, 128, 16), (12, 4, 48, 48)])
+def test_kernel_matches_attention(hq, hkv, d, bs):
+    # Lengths on and around block and 16-key boundaries, a single key, and long contexts.
+    lens = [1, 2, 15, 16, 17, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 777]
+    cache, tables, q = _case(hq, hkv, d, bs, lens, seed=hq * 100 + d)
+    kernel = PagedDecodeKernel(hq, hkv, d, bs)
+    scale = d ** -0.5
+    got = _run_kernel(kernel, cache, tables, lens, q, scale)
+    torch.testing.assert_close(got, _reference(cache, tables, lens, q, scale), atol=3e-6, rtol=1e-5)
+
+
+@needs_cc
+def test_kernel_peaked_scores():
+    """Scores 100s apart: most weights underflow to 0 and one key dominates."""
+    lens = [5, 40, 129]
+    cache, tables, q = _case(8, 2, 64, 16, lens, seed=3, spread=60.0)
+    kernel = PagedDecodeKernel(8, 2, 64, 16)
+    got = _run_kernel(kernel, cache, tables, lens, q, 0.125)
+    torch.testing.assert_close(got, _reference(cache, tables, lens, q, 0.125), atol=3e-6, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_unsupported_reasons():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert unsupported_reason(cpu, f32, 8, 2, 64, 16) is None
+    assert "float32" in unsupported_reason(cpu, torch.bfloat16, 8, 2, 64, 16)
+    assert "block_size" in unsupported_reason(cpu, f32, 8, 2, 64, 8)
+    assert "head_dim" in unsupported_reason(cpu, f32, 8, 2, 40, 16)
+    assert "CPUs" in unsupported_reason(torch.device("meta"), f32, 8, 2, 64, 16)
+
+
+def _prompts(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    return [{"prompt_token_ids": torch.randint(0, 500, (5 + 37 * i,), generator=g).tolist()}
+            for i in range(n)]
+
+
+@needs_cc
+def test_native_and_torch_paths_agree(tiny_model):
+    """Greedy tokens of concurrent requests equal with either decode attention."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    native = Omni(tiny_model, attention_kernel="native")
+    plain = Omni(tiny_model, attention_kernel="torch")
+    assert (native.engine.attention_kernel, plain.engine.attention_kernel) == ("native", "torch")
+    prompts = _prompts(9)
+    got = [o.token_ids for o in native.generate(prompts, params)]
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_attention_kernel_option(tiny_qwen2, tmp_path, monkeypatch):
+    with pytest.raises(InvalidRequestError, match="attention_kernel"):
+        Omni(tiny_qwen2, attention_kernel="fast")
+    with pytest.raises(InvalidRequestError, match="block_size"):
+        Omni(tiny_qwen2, attention_kernel="native", block_size=8)
+    assert Omni(tiny_qwen2, block_size=8).engine.attention_kernel == "torch"
+    # A compiler that fails: auto falls back to PyTorch; native says why it cannot serve.
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert Omni(tiny_qwen2).engine.attention_kernel == "torch"
+    with pytest.raises(InvalidRequestError, match="could not compile|does not run"):
+        Omni(tiny_qwen2, attention_kernel="native")
