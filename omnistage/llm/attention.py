@@ -1,13 +1,15 @@
-"""Attention over paged KV caches in plain PyTorch (CPU and CUDA alike).
+"""Attention over paged KV caches: native CPU kernels, or plain PyTorch (CPU and CUDA alike).
 
 Cache layout per layer: (2, num_kv_heads, num_blocks, block_size, head_dim) for K and V, so
 one gather of a batch of block tables yields (2, Hkv, B, L, D) contiguously, ready for batched
 matmuls with no transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
 offset) before attention reads them.
 
-One step's tokens are ordered: single-token decodes first, then prefill chunks. Decodes run
-either as one native kernel call per layer reading the blocks in place (`DecodeBatch`, CPU
-float32, omnistage/kernels/paged_decode.c) or in plain PyTorch, gathered per `DecodeGroup`.
+One step's tokens are ordered: single-token decodes first, then prefill chunks. With a
+`PagedAttentionKernel` (CPU float32, omnistage/kernels/paged_attention.c) the decodes are one
+native call per layer and the prefill chunks another, both reading the blocks in place
+(`NativeBatches`). Otherwise decodes run in PyTorch, gathered per `DecodeGroup`, and each
+prefill chunk through SDPA (`PrefillSpan`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omnistage.kernels.paged_decode import PagedDecodeKernel
+from omnistage.kernels.paged_attention import PagedAttentionKernel
 
 
 @dataclass
@@ -38,25 +40,29 @@ class DecodeGroup:
 
 
 @dataclass
-class DecodeBatch:
-    """Every single-token decode of the step (rows [0, B)), for the native kernel."""
-    tables: torch.Tensor            # (B, W) int64 block tables, padded with block 0
-    lens: torch.Tensor              # (B,) int64 context lengths, the new token included
-    kernel: PagedDecodeKernel
+class NativeBatches:
+    """A step's attention work for the native kernels. Index tensors are int64."""
+    kernel: PagedAttentionKernel
+    decode_tables: torch.Tensor     # (B, W) block tables of the decodes (rows [0, B)), padded
+    decode_lens: torch.Tensor       # (B,) context lengths, the new token included
+    prefill_tables: torch.Tensor    # (N, W') block tables of the prefill chunks, padded
+    prefill_starts: torch.Tensor    # (N,) first row of each chunk
+    prefill_lens: torch.Tensor      # (N,) query tokens of each chunk
+    prefill_ctx: torch.Tensor       # (N,) keys visible to each chunk's last token
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor      # (T,) int64 cache slot of each new token
-    # The decodes, rows [0, num_decode), shortest contexts first: either groups for the
-    # PyTorch path or one native batch (then `decodes` is empty).
+    # The PyTorch path's work (both empty when `native` is set): decodes, rows
+    # [0, num_decode), shortest contexts first; then prefill chunks.
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     # Flat scratch buffer, large enough for this step's largest gather. Gathers land here
     # instead of in fresh tensors: a fresh multi-MB tensor per layer costs its page faults
     # every time (5x the copy itself, measured).
     workspace: torch.Tensor | None = None
-    decode_batch: DecodeBatch | None = None
+    native: NativeBatches | None = None
 
 
 class KVCache:
@@ -107,10 +113,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, Hq, D)."""
     cache.write(k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if meta.decode_batch is not None:
-        batch = meta.decode_batch
-        n = batch.lens.shape[0]
-        batch.kernel(q[:n], cache.kv, batch.tables, batch.lens, out[:n], scale)
+    nb = meta.native
+    if nb is not None:
+        n = nb.decode_lens.shape[0]
+        if n:
+            nb.kernel.decode(q[:n], cache.kv, nb.decode_tables, nb.decode_lens, out[:n], scale)
+        if nb.prefill_lens.shape[0]:
+            nb.kernel.prefill(q, cache.kv, nb.prefill_tables, nb.prefill_starts, nb.prefill_lens,
+                              nb.prefill_ctx, out, scale)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.size)
         out[rows] = _decode(q[rows], cache, group, scale, meta.workspace)

@@ -17,7 +17,7 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from omnistage.kernels.build import NativeBuildError
-from omnistage.kernels.paged_decode import PagedDecodeKernel, unsupported_reason
+from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
 from omnistage.llm.model_runner import ModelRunner, SampledToken
@@ -77,12 +77,12 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        decode_kernel = self._decode_kernel()
-        self.attention_kernel = "torch" if decode_kernel is None else "native"
+        kernel = self._attention_kernel()
+        self.attention_kernel = "torch" if kernel is None else "native"
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype,
-                                  self.device, self.eos_token_ids, config.seed, decode_kernel)
+                                  self.device, self.eos_token_ids, config.seed, kernel)
         self.runner.keep_prompt_rows = config.enable_prefix_caching
-        log.info("engine ready: %s on %s (%s, %s linear, %s decode attention), max_model_len %d, "
+        log.info("engine ready: %s on %s (%s, %s linear, %s attention), max_model_len %d, "
                  "KV pool %d blocks of %d tokens (%.0f MiB), prefix caching %s", config.model,
                  self.device, str(self.dtype).removeprefix("torch."), self.linear_kernel,
                  self.attention_kernel, self.max_model_len,
@@ -105,9 +105,9 @@ class LLMEngine:
         pack_linears(self.model)
         return "onednn"
 
-    def _decode_kernel(self) -> PagedDecodeKernel | None:
-        """The native decode attention where it serves (built on first use), else None: the
-        PyTorch path. `auto` falls back quietly-but-logged when no compiler builds it."""
+    def _attention_kernel(self) -> PagedAttentionKernel | None:
+        """The native attention kernels where they serve (built on first use), else None: the
+        PyTorch path. `auto` falls back (and logs why) when they do not serve or build."""
         want = self.config.attention_kernel
         if want == "torch":
             return None
@@ -117,13 +117,13 @@ class LLMEngine:
                                  self.config.block_size)
         if why is None:
             try:
-                return PagedDecodeKernel(heads, kv_heads, head_dim, self.config.block_size)
+                return PagedAttentionKernel(heads, kv_heads, head_dim, self.config.block_size)
             except NativeBuildError as e:
                 why = str(e)
         if want == "native":
             raise InvalidRequestError(f"attention_kernel=native is not available: {why}; use auto "
                                       "or torch", param="attention_kernel")
-        log.info("decode attention in PyTorch: the native kernel does not serve here (%s)", why)
+        log.info("attention in PyTorch: the native kernels do not serve here (%s)", why)
         return None
 
     # ---- sizing ---------------------------------------------------------------------------

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.kernels.paged_decode import PagedDecodeKernel
-from omnistage.llm.attention import AttentionMetadata, DecodeBatch, DecodeGroup, KVCache, PrefillSpan
+from omnistage.kernels.paged_attention import PagedAttentionKernel
+from omnistage.llm.attention import (AttentionMetadata, DecodeGroup, KVCache, NativeBatches,
+                                     PrefillSpan)
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
@@ -32,14 +33,20 @@ class StepResult:
     input_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as rows of equal width, padded with block 0 (never read past a context)."""
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0,
-                 decode_kernel: PagedDecodeKernel | None = None):
+                 kernel: PagedAttentionKernel | None = None):
         self.model = model
-        # Native decode attention (one call per layer, blocks read in place), or None: the
-        # PyTorch path that gathers contexts per length group.
-        self.decode_kernel = decode_kernel
+        # Native attention (two calls per layer, blocks read in place), or None: the PyTorch
+        # path, which gathers contexts.
+        self.kernel = kernel
         self.device = device
         self.block_size = block_size
         num_layers, num_kv_heads, head_dim = model.kv_shape
@@ -71,7 +78,13 @@ class ModelRunner:
         self._add_embed_feeds(chunks, rows, embeds)
         if self.model.position_dims == 3:
             positions = self._mrope_positions(chunks, positions)
-        hidden = self.model(embeds, positions, self.caches, meta)
+        sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
+        # Only the sampled rows leave the model, unless a sequence wants its hidden states
+        # (then all do) or every row samples anyway (a decode-only step).
+        out_rows = None
+        if len(sample_chunks) < len(ids) and not any(c.seq.return_hidden_states for c in chunks):
+            out_rows = torch.tensor([r for _, r in sample_chunks], dtype=torch.int64, device=self.device)
+        hidden = self.model(embeds, positions, self.caches, meta, out_rows)
 
         result = StepResult(sampled=[])
         for chunk, (r0, r1) in zip(chunks, rows):
@@ -92,9 +105,10 @@ class ModelRunner:
                 result.hidden_states[seq.seq_id] = h
                 result.input_embeds[seq.seq_id] = e
                 seq.num_hidden_emitted = chunk.start + chunk.num_new_tokens
-        sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
         if sample_chunks:
-            result.sampled = self._sample(hidden, sample_chunks)
+            if out_rows is None:
+                hidden = hidden[torch.tensor([r for _, r in sample_chunks], device=self.device)]
+            result.sampled = self._sample(hidden, [c for c, _ in sample_chunks])
         return result
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -107,7 +121,8 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[tuple[int, int]] = []
         decode_tables: list[list[int]] = []
-        prefills: list[PrefillSpan] = []
+        prefill_tables: list[list[int]] = []
+        spans: list[tuple[int, int, int]] = []          # (first row, query tokens, context)
         for c in chunks:
             seq, start, n = c.seq, c.start, c.num_new_tokens
             r0 = len(ids)
@@ -121,23 +136,25 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(ctx_blocks)
             else:
-                bt = None if start == 0 else torch.tensor(ctx_blocks, device=dev)
-                prefills.append(PrefillSpan(r0, n, start + n, bt))
+                prefill_tables.append(ctx_blocks)
+                spans.append((r0, n, start + n))
         lens = [pos[r0] + 1 for r0, _ in rows[:len(decode_tables)]]
-        decodes, decode_batch = [], None
-        if decode_tables and self.decode_kernel is not None:
-            width = max(len(t) for t in decode_tables)
-            decode_batch = DecodeBatch(
-                torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev),
-                torch.tensor(lens, dtype=torch.int64, device=dev), self.decode_kernel)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+        if self.kernel is not None:
+            def i64(x) -> torch.Tensor:
+                return torch.tensor(x, dtype=torch.int64, device=dev)
+            s0, n, ctx = zip(*spans) if spans else ((), (), ())
+            meta = AttentionMetadata(slot_mapping, decodes=[], prefills=[], native=NativeBatches(
+                self.kernel, i64(_padded(decode_tables)), i64(lens), i64(_padded(prefill_tables)),
+                i64(s0), i64(n), i64(ctx)))
         else:
             decodes = self._decode_groups(decode_tables, lens)
-        gathered = [g.block_tables.numel() for g in decodes]
-        gathered += [p.block_table.numel() for p in prefills if p.block_table is not None]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decodes=decodes, prefills=prefills, workspace=self._workspace(max(gathered, default=0)),
-            decode_batch=decode_batch)
+            prefills = [PrefillSpan(r0, n, ctx, None if ctx == n else torch.tensor(t, device=dev))
+                        for (r0, n, ctx), t in zip(spans, prefill_tables)]
+            gathered = [g.block_tables.numel() for g in decodes]
+            gathered += [p.block_table.numel() for p in prefills if p.block_table is not None]
+            meta = AttentionMetadata(slot_mapping, decodes=decodes, prefills=prefills,
+                                     workspace=self._workspace(max(gathered, default=0)))
         return (torch.tensor(ids, dtype=torch.int64, device=dev),
                 torch.tensor(pos, dtype=torch.int64, device=dev), meta, rows)
 
@@ -208,12 +225,12 @@ class ModelRunner:
         return out
 
     # ---- sampling -------------------------------------------------------------------------
-    def _sample(self, hidden: torch.Tensor, sample_chunks) -> list[SampledToken]:
-        last_rows = torch.tensor([r for _, r in sample_chunks], device=self.device)
-        logits = self.model.compute_logits(hidden[last_rows])      # (S, V)
+    def _sample(self, hidden: torch.Tensor, sample_chunks: list[ScheduledChunk]) -> list[SampledToken]:
+        """hidden: (S, hidden) the last row of each chunk in `sample_chunks`."""
+        logits = self.model.compute_logits(hidden)                 # (S, V)
         seqs: list[Sequence] = []
         expand: list[int] = []
-        for i, (chunk, _) in enumerate(sample_chunks):
+        for i, chunk in enumerate(sample_chunks):
             for s in [chunk.seq, *chunk.forks]:   # forked samples draw from the same logits
                 seqs.append(s)
                 expand.append(i)

@@ -67,15 +67,18 @@ class Qwen2Attention(nn.Module):
         self.o = TransposedLinear(self.hq * self.d, [c.hidden_size], bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                cache: KVCache, meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden), or (R, hidden) for the rows `out_rows` only: every
+        row's K and V still enter the cache."""
         t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
         # q and k sit side by side in each row: rotate them in one go.
         qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        o = paged_attention(q, k, v, cache, meta, self.scale)
-        return self.o(o.reshape(t, self.hq * self.d))
+        o = paged_attention(q, k, v, cache, meta, self.scale).reshape(t, hq * d)
+        return self.o(o if out_rows is None else o[out_rows])
 
 
 class Qwen2MLP(nn.Module):
@@ -97,8 +100,9 @@ class Qwen2DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = Qwen2MLP(c, dtype)
 
-    def forward(self, h, cos_sin, cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos_sin, cache, meta)
+    def forward(self, h, cos_sin, cache, meta, out_rows: torch.Tensor | None = None):
+        a = self.self_attn(self.input_layernorm(h), cos_sin, cache, meta, out_rows)
+        h = (h if out_rows is None else h[out_rows]) + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -142,12 +146,16 @@ class Qwen2ForCausalLM(nn.Module):
         return F.embedding(input_ids, self.embed_tokens)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """(T, hidden) input embeddings -> (T, hidden) final-normed hidden states."""
+                caches: list[KVCache], meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, hidden) input embeddings -> (T, hidden) final-normed hidden states, or only
+        those of `out_rows` (R,): the last layer then runs its output projection and MLP
+        for those rows alone (the rest of a prompt chunk only fills the KV cache)."""
         h = inputs_embeds
         cos_sin = self.rope.lookup(positions, h.dtype)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, cos_sin, cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            h = layer(h, cos_sin, cache, meta, out_rows if i == last else None)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,10 @@ class Qwen2_5OmniTalkerLM(Qwen2ForCausalLM):
         return self.config.embedding_size
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """(T, embedding_size) inputs -> (T, hidden) final-normed hidden states."""
-        return super().forward(self.proj(inputs_embeds), positions, caches, meta)
+                caches: list[KVCache], meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, embedding_size) inputs -> final-normed hidden states (see Qwen2ForCausalLM)."""
+        return super().forward(self.proj(inputs_embeds), positions, caches, meta, out_rows)
 
     def load_weights(self, weights) -> set[str]:
         loaded: set[str] = set()

@@ -1,0 +1,338 @@
+/* Attention over a paged KV cache, for CPUs, reading K and V straight from the cache blocks.
+ *
+ * The PyTorch path gathers contexts into contiguous buffers first (a copy of all of K and V
+ * per layer and step) and then runs batched matmuls or SDPA over them; these kernels read
+ * each K and V row where it lies. They are compiled on first use for one model's shape
+ * (HEAD_DIM, GROUP, BLOCK as -D constants, see omnistage/kernels/paged_attention.py), so
+ * every inner loop has a fixed trip count and the compiler keeps accumulators in registers.
+ *
+ * - paged_decode_f32: one query token per sequence (G query heads per KV head) against its
+ *   whole context. Scores for 16 keys at a time: 16 dot products, then one transpose-add
+ *   tree turns them into a 16-lane vector.
+ * - paged_prefill_f32: chunks of query tokens, each token seeing the keys up to its own
+ *   position (a prefix already cached plus the chunk itself, causally). Tiles of 16 query
+ *   tokens x G heads; per 16-key span, K is transposed once into a small buffer so each
+ *   query's 16 scores are broadcast FMAs; online softmax; spans past a row's position are
+ *   never computed (the causal half of the work is skipped, not masked).
+ *
+ * Layouts (float32; contiguous except where said):
+ *   q      (T, Hkv * GROUP, HEAD_DIM)   query heads h*GROUP .. h*GROUP+GROUP-1 share KV head h;
+ *                                        row t starts at q + t * q_stride (rows may be views
+ *                                        into a wider projection output)
+ *   kv     (2, Hkv, num_blocks, BLOCK, HEAD_DIM)   K planes, then V planes
+ *   tables (N, width) int64              block ids of each context, padded past its end
+ *   out    (T, Hkv * GROUP, HEAD_DIM)   contiguous
+ *
+ * Numerics: scores are float32 dot products; softmax subtracts the row max (a running max
+ * for prefill), exponentiates with a polynomial exp (about 2 ulp) and divides the weighted
+ * sum of V by the sum of the weights at the end. Only the order of additions differs from
+ * softmax(q k^T) v.
+ *
+ * Work is split with OpenMP: torch's own OpenMP runtime (the library links libgomp by
+ * soname, which torch has loaded already), so torch.set_num_threads governs it too. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if HEAD_DIM % 16 != 0 || BLOCK % 16 != 0
+#error "HEAD_DIM and BLOCK must be multiples of 16"
+#endif
+
+#define LANES 16
+#define CHUNKS (HEAD_DIM / LANES)
+
+/* 16 float lanes; GCC/Clang lower it to whatever vector registers -march=native gives. */
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){} + x; }
+static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2 (Cephes' expf polynomial).
+ * Lanes below -87 (including -inf) give exactly 0. */
+static inline vf vexp(vf x) {
+    const vi keep = x >= splat(-87.0f);
+    x = (vf)((vi)x & keep);                            /* dropped lanes: 0, kept finite */
+    x = vselect(x < splat(88.0f), x, splat(88.0f));
+    const vf big = splat(12582912.0f);                 /* 1.5 * 2^23: round to nearest */
+    const vf n = (x * splat(1.44269504088896341f) + big) - big;
+    vf r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & keep);
+}
+
+/* Lane t of the result is the sum of the lanes of a[t]. */
+static inline vf sum_lanes16(const vf a[16]) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = __builtin_shufflevector(a[2*i], a[2*i+1], 0,1,2,3,4,5,6,7, 16,17,18,19,20,21,22,23)
+             + __builtin_shufflevector(a[2*i], a[2*i+1], 8,9,10,11,12,13,14,15, 24,25,26,27,28,29,30,31);
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(b[2*i], b[2*i+1], 0,1,2,3, 8,9,10,11, 16,17,18,19, 24,25,26,27)
+             + __builtin_shufflevector(b[2*i], b[2*i+1], 4,5,6,7, 12,13,14,15, 20,21,22,23, 28,29,30,31);
+    for (int i = 0; i < 2; i++)
+        d[i] = __builtin_shufflevector(c[2*i], c[2*i+1], 0,1, 4,5, 8,9, 12,13, 16,17, 20,21, 24,25, 28,29)
+             + __builtin_shufflevector(c[2*i], c[2*i+1], 2,3, 6,7, 10,11, 14,15, 18,19, 22,23, 26,27, 30,31);
+    return __builtin_shufflevector(d[0], d[1], 0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30)
+         + __builtin_shufflevector(d[0], d[1], 1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31);
+}
+
+static inline float max_lanes(vf v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+static inline float sum_lanes(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+}
+
+/* One (sequence, KV head): GROUP queries over `len` keys. `s` holds GROUP * padded scores. */
+static void attend(const float *restrict q, const float *restrict k_plane,
+                   const float *restrict v_plane, const int64_t *restrict table, int64_t len,
+                   float scale, float *restrict s, float *restrict out) {
+    const int64_t padded = (len + LANES - 1) / LANES * LANES;
+    const int64_t spans = padded / LANES;             /* 16-key spans of the context */
+    vf qv[GROUP][CHUNKS], row_max[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        for (int c = 0; c < CHUNKS; c++) qv[g][c] = load(q + g * HEAD_DIM + c * LANES) * scale;
+        row_max[g] = splat(-INFINITY);
+    }
+    /* Scores: span i covers keys 16i .. 16i+15 of block table[16i / BLOCK]. */
+    for (int64_t i = 0; i < spans; i++) {
+        const int64_t key0 = i * LANES;
+        const float *kb = k_plane + (table[key0 / BLOCK] * BLOCK + key0 % BLOCK) * HEAD_DIM;
+        for (int g = 0; g < GROUP; g++) {
+            vf acc[LANES];
+            for (int t = 0; t < LANES; t++) {
+                vf a = qv[g][0] * load(kb + t * HEAD_DIM);
+                for (int c = 1; c < CHUNKS; c++) a += qv[g][c] * load(kb + t * HEAD_DIM + c * LANES);
+                acc[t] = a;
+            }
+            vf sc = sum_lanes16(acc);
+            if (key0 + LANES > len)                   /* keys past the context: weight 0 */
+                for (int t = (int)(len - key0); t < LANES; t++) sc[t] = -INFINITY;
+            row_max[g] = vmax(row_max[g], sc);
+            store(s + g * padded + key0, sc);
+        }
+    }
+    float inv_sum[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        const vf m = splat(max_lanes(row_max[g]));
+        float *sg = s + g * padded;
+        vf total = {};
+        for (int64_t t = 0; t < padded; t += LANES) {
+            const vf e = vexp(load(sg + t) - m);
+            total += e;
+            store(sg + t, e);
+        }
+        inv_sum[g] = 1.0f / sum_lanes(total);
+    }
+    vf o[GROUP][CHUNKS];
+    for (int g = 0; g < GROUP; g++)
+        for (int c = 0; c < CHUNKS; c++) o[g][c] = (vf){};
+    for (int64_t t = 0; t < len; t++) {
+        const float *vt = v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM;
+        vf v[CHUNKS];
+        for (int c = 0; c < CHUNKS; c++) v[c] = load(vt + c * LANES);
+        for (int g = 0; g < GROUP; g++) {
+            const vf p = splat(s[g * padded + t]);
+            for (int c = 0; c < CHUNKS; c++) o[g][c] += p * v[c];
+        }
+    }
+    for (int g = 0; g < GROUP; g++)
+        for (int c = 0; c < CHUNKS; c++) store(out + g * HEAD_DIM + c * LANES, o[g][c] * inv_sum[g]);
+}
+
+/* Decodes: sequence b's query is row b of q, its context lens[b] keys (>= 1) in the blocks of
+ * tables row b. Returns 0, or -1 when a thread could not allocate its score buffer (out is
+ * then undefined). */
+int paged_decode_f32(const float *restrict q, int64_t q_stride, const float *restrict kv,
+                     const int64_t *restrict tables, const int64_t *restrict lens,
+                     float *restrict out, int64_t batch, int64_t kv_heads, int64_t num_blocks,
+                     int64_t width, float scale) {
+    const int64_t plane = num_blocks * BLOCK * HEAD_DIM;
+    const int64_t tasks = batch * kv_heads;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *s = malloc(sizeof(float) * GROUP * (width * BLOCK + LANES));
+        if (s == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        /* Longest contexts first (callers sort by length, shortest first): the last tasks
+         * handed out are the short ones, so threads finish together. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = tasks - 1; task >= 0; task--) {
+            if (s == NULL) continue;
+            const int64_t b = task / kv_heads, h = task % kv_heads;
+            const int64_t head0 = (b * kv_heads + h) * GROUP;
+            attend(q + b * q_stride + h * GROUP * HEAD_DIM, kv + h * plane, kv + (kv_heads + h) * plane,
+                   tables + b * width, lens[b], scale, s, out + head0 * HEAD_DIM);
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---- prefill ----------------------------------------------------------------------------- */
+
+#define ROWS 16                       /* query tokens per tile */
+#define QV (ROWS * GROUP)             /* query vectors per tile */
+
+typedef struct {
+    int64_t span, head, row0, cost;
+} Tile;
+
+static int by_cost_desc(const void *a, const void *b) {
+    const int64_t x = ((const Tile *)a)->cost, y = ((const Tile *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+typedef struct {                      /* one thread's scratch */
+    float q[QV][HEAD_DIM];            /* scaled queries of the tile */
+    float o[QV][HEAD_DIM];            /* running sums of weighted V rows */
+    float kt[HEAD_DIM][LANES];        /* the current 16-key span of K, transposed */
+    vf l[QV];                         /* running sums of weights, per lane */
+    float m[QV];                      /* running maxima */
+} Scratch;
+
+/* One tile: `rows` query tokens (the first at position pos0; q and out point at its first
+ * row and KV head h's first query head, rows `row_stride` / `out_stride` apart) against keys
+ * 0 .. pos0 + rows - 1 in the blocks of `table`. */
+static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride, int64_t rows,
+                         int64_t pos0, const float *restrict k_plane,
+                         const float *restrict v_plane, const int64_t *restrict table,
+                         float scale, float *restrict out, int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t j = r * GROUP + g;
+            const float *src = q + r * row_stride + g * HEAD_DIM;
+            for (int d = 0; d < HEAD_DIM; d++) w->q[j][d] = src[d] * scale;
+            memset(w->o[j], 0, sizeof w->o[j]);
+            w->l[j] = (vf){};
+            w->m[j] = -INFINITY;
+        }
+    const int64_t last = pos0 + rows - 1;
+    for (int64_t k0 = 0; k0 <= last; k0 += LANES) {
+        const int64_t at = (table[k0 / BLOCK] * BLOCK + k0 % BLOCK) * HEAD_DIM;
+        const float *kb = k_plane + at, *vb = v_plane + at;
+        for (int t = 0; t < LANES; t++)
+            for (int d = 0; d < HEAD_DIM; d++) w->kt[d][t] = kb[t * HEAD_DIM + d];
+        /* Rows before position k0 see none of this span. */
+        for (int64_t r = k0 > pos0 ? k0 - pos0 : 0; r < rows; r++) {
+            const int64_t seen = pos0 + r - k0 + 1;     /* keys of the span row r sees */
+            const int valid = seen < LANES ? (int)seen : LANES;
+            const int64_t j0 = r * GROUP;
+            /* The row's G heads together: each K row (and below each V row) is loaded once
+             * for all of them; two partial sums per head keep 2G FMA chains in flight. */
+            vf a[GROUP][2];
+            for (int g = 0; g < GROUP; g++) a[g][0] = a[g][1] = (vf){};
+            for (int d = 0; d < HEAD_DIM; d += 2) {
+                const vf k_even = load(w->kt[d]), k_odd = load(w->kt[d + 1]);
+                for (int g = 0; g < GROUP; g++) {
+                    a[g][0] += w->q[j0 + g][d] * k_even;
+                    a[g][1] += w->q[j0 + g][d + 1] * k_odd;
+                }
+            }
+            vf p[GROUP], o[GROUP][CHUNKS];
+            for (int g = 0; g < GROUP; g++) {
+                const int64_t j = j0 + g;
+                vf sc = a[g][0] + a[g][1];
+                for (int t = valid; t < LANES; t++) sc[t] = -INFINITY;
+                const float mx = max_lanes(sc);
+                for (int c = 0; c < CHUNKS; c++) o[g][c] = load(w->o[j] + c * LANES);
+                if (mx > w->m[j]) {                     /* a new maximum: rescale the past */
+                    const float corr = expf(w->m[j] - mx);
+                    w->l[j] *= corr;
+                    for (int c = 0; c < CHUNKS; c++) o[g][c] *= corr;
+                    w->m[j] = mx;
+                }
+                p[g] = vexp(sc - w->m[j]);
+                w->l[j] += p[g];
+            }
+            for (int t = 0; t < valid; t++) {
+                vf v[CHUNKS];
+                for (int c = 0; c < CHUNKS; c++) v[c] = load(vb + t * HEAD_DIM + c * LANES);
+                for (int g = 0; g < GROUP; g++)
+                    for (int c = 0; c < CHUNKS; c++) o[g][c] += p[g][t] * v[c];
+            }
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < CHUNKS; c++) store(w->o[j0 + g] + c * LANES, o[g][c]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t j = r * GROUP + g;
+            const float inv = 1.0f / sum_lanes(w->l[j]);
+            float *dst = out + r * out_stride + g * HEAD_DIM;
+            for (int c = 0; c < CHUNKS; c++) store(dst + c * LANES, load(w->o[j] + c * LANES) * inv);
+        }
+}
+
+/* Prefill chunks: chunk i has q_lens[i] query tokens at rows q_starts[i].. of q; its last one
+ * sees ctx_lens[i] keys, so token r sits at position ctx_lens[i] - q_lens[i] + r and sees keys
+ * 0 .. that position, in the blocks of tables row i (the chunk's own K and V already written
+ * there). Returns 0, or -1 when memory for the work list or scratch could not be had. */
+int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *restrict kv,
+                      const int64_t *restrict tables, const int64_t *restrict q_starts,
+                      const int64_t *restrict q_lens, const int64_t *restrict ctx_lens,
+                      float *restrict out, int64_t chunks, int64_t kv_heads,
+                      int64_t num_blocks, int64_t width, float scale) {
+    const int64_t plane = num_blocks * BLOCK * HEAD_DIM;
+    const int64_t out_stride = kv_heads * GROUP * HEAD_DIM;
+    int64_t n = 0;
+    for (int64_t i = 0; i < chunks; i++) n += kv_heads * ((q_lens[i] + ROWS - 1) / ROWS);
+    Tile *tiles = malloc(sizeof(Tile) * (n > 0 ? n : 1));
+    if (tiles == NULL) return -1;
+    n = 0;
+    for (int64_t i = 0; i < chunks; i++)
+        for (int64_t r0 = 0; r0 < q_lens[i]; r0 += ROWS)
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const int64_t rows = q_lens[i] - r0 < ROWS ? q_lens[i] - r0 : ROWS;
+                const int64_t last_pos = ctx_lens[i] - q_lens[i] + r0 + rows - 1;
+                tiles[n++] = (Tile){i, h, r0, rows * (last_pos + 1)};
+            }
+    /* Costliest tiles first: the cheap ones left at the end keep the threads even. */
+    qsort(tiles, n, sizeof(Tile), by_cost_desc);
+    int failed = 0;
+    #pragma omp parallel
+    {
+        Scratch *w = aligned_alloc(64, (sizeof(Scratch) + 63) / 64 * 64);
+        if (w == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < n; k++) {
+            if (w == NULL) continue;
+            const Tile t = tiles[k];
+            const int64_t rows = q_lens[t.span] - t.row0 < ROWS ? q_lens[t.span] - t.row0 : ROWS;
+            const int64_t row = q_starts[t.span] + t.row0;
+            const int64_t head0 = t.head * GROUP * HEAD_DIM;
+            prefill_tile(w, q + row * q_stride + head0, q_stride, rows,
+                         ctx_lens[t.span] - q_lens[t.span] + t.row0, kv + t.head * plane,
+                         kv + (kv_heads + t.head) * plane, tables + t.span * width, scale,
+                         out + row * out_stride + head0, out_stride);
+        }
+        free(w);
+    }
+    free(tiles);
+    return failed ? -1 : 0;
+}

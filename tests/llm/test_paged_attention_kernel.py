@@ -1,0 +1,158 @@
+"""The native attention kernels (omnistage/kernels/paged_attention.c) against softmax(q k^T) v
+over contiguous keys, and their selection by `attention_kernel`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+from omnistage.errors import InvalidRequestError
+from omnistage.kernels.build import NativeBuildError, compiler
+from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
+from omnistage.llm.attention import KVCache
+
+try:
+    compiler()
+    HAVE_CC = True
+except NativeBuildError:
+    HAVE_CC = False
+needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the kernel")
+
+
+def _case(hq, hkv, d, bs, lens, seed, spread=1.0):
+    """A cache with each sequence's blocks scattered over the pool, and strided queries."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // bs) for n in lens) + 5
+    cache = KVCache(hkv, num_blocks, bs, d, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, k = [], 0
+    for n in lens:
+        tables.append(perm[k:k + -(-n // bs)])
+        k += -(-n // bs)
+    # Queries as a slice of a wider projection row, like q out of the fused qkv output.
+    wide = torch.randn(len(lens), (hq + 3) * d, generator=g) * spread
+    q = wide[:, :hq * d].view(len(lens), hq, d)
+    return cache, tables, q
+
+
+def _reference(cache: KVCache, table, ctx, q, scale):
+    """Plain float64 attention of q (n, Hq, D), the last row seeing `ctx` keys of `table`
+    laid out contiguously, causal before that."""
+    hq, hkv = q.shape[1], cache.kv.shape[1]
+    kv = cache.kv[:, :, table].flatten(2, 3)[:, :, :ctx].double()     # (2, Hkv, ctx, D)
+    k = kv[0].repeat_interleave(hq // hkv, dim=0)                      # (Hq, ctx, D)
+    v = kv[1].repeat_interleave(hq // hkv, dim=0)
+    scores = torch.einsum("qhd,hkd->hqk", q.double(), k) * scale
+    qpos = torch.arange(q.shape[0]).unsqueeze(1) + ctx - q.shape[0]
+    scores.masked_fill_(torch.arange(ctx).unsqueeze(0) > qpos, float("-inf"))
+    return torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v).float()
+
+
+def _padded(tables) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def _decode(kernel, cache, tables, lens, q, scale):
+    out = torch.full(q.shape, float("nan"))
+    kernel.decode(q, cache.kv, _padded(tables), torch.tensor(lens), out, scale)
+    return out
+
+
+def _decode_reference(cache, tables, lens, q, scale):
+    return torch.cat([_reference(cache, t, n, q[i:i + 1], scale) for i, (t, n) in enumerate(zip(tables, lens))])
+
+
+SHAPES = [(4, 2, 16, 16), (8, 2, 64, 16), (7, 1, 32, 32), (2, 2, 128, 16), (12, 4, 48, 48)]
+
+
+@needs_cc
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+def test_decode_matches_attention(hq, hkv, d, bs):
+    # Lengths on and around block and 16-key boundaries, a single key, and long contexts.
+    lens = [1, 2, 15, 16, 17, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 777]
+    cache, tables, q = _case(hq, hkv, d, bs, lens, seed=hq * 100 + d)
+    kernel = PagedAttentionKernel(hq, hkv, d, bs)
+    scale = d ** -0.5
+    got = _decode(kernel, cache, tables, lens, q, scale)
+    torch.testing.assert_close(got, _decode_reference(cache, tables, lens, q, scale), atol=3e-6, rtol=1e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
+def test_prefill_matches_attention(hq, hkv, d, bs):
+    """Chunks of one step side by side: whole prompts (context = chunk) and later chunks
+    over a cached prefix, lengths around tile (16) and block boundaries."""
+    chunks = [(2, 2), (16, 16), (17, 17), (33, 33 + bs), (5, 300), (40, 41), (100, 100), (3, 777)]
+    cache, tables, _ = _case(hq, hkv, d, bs, [ctx for _, ctx in chunks], seed=hq + d)
+    starts = [sum(n for n, _ in chunks[:i]) + 3 for i in range(len(chunks))]  # 3 decode rows first
+    wide = torch.randn(starts[-1] + chunks[-1][0], (hq + 2) * d, generator=torch.Generator().manual_seed(9))
+    q = wide[:, :hq * d].view(-1, hq, d)
+    kernel = PagedAttentionKernel(hq, hkv, d, bs)
+    out = torch.full(q.shape, float("nan"))
+    kernel.prefill(q, cache.kv, _padded(tables), torch.tensor(starts), torch.tensor([n for n, _ in chunks]),
+                   torch.tensor([c for _, c in chunks]), out, d ** -0.5)
+    assert out[:3].isnan().all()                # rows of no chunk are left alone
+    for (n, ctx), s0, table in zip(chunks, starts, tables):
+        torch.testing.assert_close(out[s0:s0 + n], _reference(cache, table, ctx, q[s0:s0 + n], d ** -0.5),
+                                   atol=3e-6, rtol=1e-5)
+
+
+@needs_cc
+def test_kernels_with_peaked_scores():
+    """Scores 100s apart: most weights underflow to 0 and one key dominates; the running
+    maximum of prefill jumps between spans."""
+    lens = [5, 40, 129]
+    cache, tables, q = _case(8, 2, 64, 16, lens, seed=3, spread=60.0)
+    kernel = PagedAttentionKernel(8, 2, 64, 16)
+    got = _decode(kernel, cache, tables, lens, q, 0.125)
+    torch.testing.assert_close(got, _decode_reference(cache, tables, lens, q, 0.125), atol=2e-5, rtol=1e-4)
+    q = torch.randn(129, 8, 64, generator=torch.Generator().manual_seed(4)) * 60
+    out = torch.empty_like(q)
+    kernel.prefill(q, cache.kv, _padded(tables[2:]), torch.tensor([0]), torch.tensor([129]),
+                   torch.tensor([129]), out, 0.125)
+    torch.testing.assert_close(out, _reference(cache, tables[2], 129, q, 0.125), atol=2e-5, rtol=1e-4)
+    assert torch.isfinite(out).all()
+
+
+def test_unsupported_reasons():
+    cpu, f32 = torch.device("cpu"), torch.float32
+    assert unsupported_reason(cpu, f32, 8, 2, 64, 16) is None
+    assert "float32" in unsupported_reason(cpu, torch.bfloat16, 8, 2, 64, 16)
+    assert "block_size" in unsupported_reason(cpu, f32, 8, 2, 64, 8)
+    assert "head_dim" in unsupported_reason(cpu, f32, 8, 2, 40, 16)
+    assert "CPUs" in unsupported_reason(torch.device("meta"), f32, 8, 2, 64, 16)
+
+
+def _prompts(n: int) -> list[dict]:
+    g = torch.Generator().manual_seed(7)
+    return [{"prompt_token_ids": torch.randint(0, 500, (5 + 37 * i,), generator=g).tolist()}
+            for i in range(n)]
+
+
+@needs_cc
+def test_native_and_torch_paths_agree(tiny_model):
+    """Greedy tokens of concurrent requests equal with either decode attention."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    native = Omni(tiny_model, attention_kernel="native")
+    plain = Omni(tiny_model, attention_kernel="torch")
+    assert (native.engine.attention_kernel, plain.engine.attention_kernel) == ("native", "torch")
+    prompts = _prompts(9)
+    got = [o.token_ids for o in native.generate(prompts, params)]
+    assert got == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_attention_kernel_option(tiny_qwen2, tmp_path, monkeypatch):
+    with pytest.raises(InvalidRequestError, match="attention_kernel"):
+        Omni(tiny_qwen2, attention_kernel="fast")
+    with pytest.raises(InvalidRequestError, match="block_size"):
+        Omni(tiny_qwen2, attention_kernel="native", block_size=8)
+    assert Omni(tiny_qwen2, block_size=8).engine.attention_kernel == "torch"
+    # A compiler that fails: auto falls back to PyTorch; native says why it cannot serve.
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert Omni(tiny_qwen2).engine.attention_kernel == "torch"
+    with pytest.raises(InvalidRequestError, match="could not compile|does not run"):
+        Omni(tiny_qwen2, attention_kernel="native")
