@@ -149,9 +149,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="linear layers: oneDNN packed GEMM (fp32 on CPU) or plain matmul "
                         "(default: auto: onednn where available)")
     g.add_argument("--attention-kernel", default="auto", choices=["auto", "native", "torch"],
-                   help="decode attention: the native CPU kernel (fp32, compiled on first use with "
-                        "the machine's C compiler) or plain PyTorch (default: auto: native where "
-                        "it builds)")
+                   help="attention: the native CPU kernels (fp32, compiled on first use with the "
+                        "machine's C compiler) or plain PyTorch (default: auto: native where "
+                        "they build)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 
