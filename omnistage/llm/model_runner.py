@@ -33,6 +33,12 @@ class StepResult:
     input_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def _is_decode(c: ScheduledChunk) -> bool:
+    """One generated position. A one-token chunk of a prompt is attended as a prefill chunk,
+    so a prompt's rows come out the same however the scheduler splits it."""
+    return c.num_new_tokens == 1 and c.start >= c.seq.num_prompt_tokens
+
+
 def _padded(tables: list[list[int]]) -> list[list[int]]:
     """Block tables as rows of equal width, padded with block 0 (never read past a context)."""
     width = max((len(t) for t in tables), default=0)
@@ -69,9 +75,9 @@ class ModelRunner:
         for src, dst in plan.block_copies:
             for cache in self.caches:
                 cache.copy_block(src, dst)
-        # Single-token chunks first, shortest context first: neighbours share batched
-        # attention calls with little padding.
-        chunks = sorted(plan.chunks, key=lambda c: (c.num_new_tokens != 1, c.start))
+        # Decodes first, shortest context first: neighbours share batched attention calls
+        # with little padding.
+        chunks = sorted(plan.chunks, key=lambda c: (not _is_decode(c), c.start))
         ids, positions, meta, rows = self._prepare(chunks)
         embeds = self.model.embed(ids)
         self._overlay_prompt_embeds(chunks, rows, embeds)
@@ -113,7 +119,7 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
     def _prepare(self, chunks: list[ScheduledChunk]):
-        """Flat inputs for `chunks`, which must list single-token decodes first, ordered by
+        """Flat inputs for `chunks`, which must list decodes first, ordered by
         context length (see run)."""
         bs, dev = self.block_size, self.device
         ids: list[int] = []
@@ -133,7 +139,7 @@ class ModelRunner:
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
             ctx_blocks = table[:-(-(start + n) // bs)]
-            if n == 1:
+            if _is_decode(c):
                 decode_tables.append(ctx_blocks)
             else:
                 prefill_tables.append(ctx_blocks)

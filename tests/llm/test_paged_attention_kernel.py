@@ -156,3 +156,20 @@ def test_attention_kernel_option(tiny_qwen2, tmp_path, monkeypatch):
     assert Omni(tiny_qwen2).engine.attention_kernel == "torch"
     with pytest.raises(InvalidRequestError, match="could not compile|does not run"):
         Omni(tiny_qwen2, attention_kernel="native")
+
+
+@needs_cc
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_prompt_rows_do_not_depend_on_chunking(tiny_qwen2, budget):
+    """The native path gives a prompt's hidden rows bit for bit however the token budget
+    splits it (one-token chunks included) and whatever else shares the steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = _prompts(3)
+    whole = Omni(tiny_qwen2, attention_kernel="native", enable_prefix_caching=False)
+    split = Omni(tiny_qwen2, attention_kernel="native", enable_prefix_caching=False,
+                 max_num_batched_tokens=budget)
+    ref = [o.outputs[0].hidden_states for o in whole.generate(prompts, params, return_hidden_states=True)]
+    got = [o.outputs[0].hidden_states for o in split.generate(prompts, params, return_hidden_states=True)]
+    for p, r, g in zip(prompts, ref, got):
+        n = len(p["prompt_token_ids"])
+        assert torch.equal(r[:n], g[:n])
