@@ -197,7 +197,8 @@ int paged_decode_f32(const float *restrict q, int64_t q_stride, const float *res
 #define QV (ROWS * GROUP)             /* query vectors per tile */
 
 typedef struct {
-    int64_t span, head, row0, cost;
+    int64_t span, head, row0;         /* chunk, KV head, first query token of the chunk */
+    int64_t rows, pos0, cost;         /* tokens, position of the first, keys x tokens */
 } Tile;
 
 static int by_cost_desc(const void *a, const void *b) {
@@ -306,8 +307,8 @@ int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *re
         for (int64_t r0 = 0; r0 < q_lens[i]; r0 += ROWS)
             for (int64_t h = 0; h < kv_heads; h++) {
                 const int64_t rows = q_lens[i] - r0 < ROWS ? q_lens[i] - r0 : ROWS;
-                const int64_t last_pos = ctx_lens[i] - q_lens[i] + r0 + rows - 1;
-                tiles[n++] = (Tile){i, h, r0, rows * (last_pos + 1)};
+                const int64_t pos0 = ctx_lens[i] - q_lens[i] + r0;
+                tiles[n++] = (Tile){i, h, r0, rows, pos0, rows * (pos0 + rows)};
             }
     /* Costliest tiles first: the cheap ones left at the end keep the threads even. */
     qsort(tiles, n, sizeof(Tile), by_cost_desc);
@@ -323,13 +324,12 @@ int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *re
         for (int64_t k = 0; k < n; k++) {
             if (w == NULL) continue;
             const Tile t = tiles[k];
-            const int64_t rows = q_lens[t.span] - t.row0 < ROWS ? q_lens[t.span] - t.row0 : ROWS;
             const int64_t row = q_starts[t.span] + t.row0;
             const int64_t head0 = t.head * GROUP * HEAD_DIM;
-            prefill_tile(w, q + row * q_stride + head0, q_stride, rows,
-                         ctx_lens[t.span] - q_lens[t.span] + t.row0, kv + t.head * plane,
-                         kv + (kv_heads + t.head) * plane, tables + t.span * width, scale,
-                         out + row * out_stride + head0, out_stride);
+            prefill_tile(w, q + row * q_stride + head0, q_stride, t.rows, t.pos0,
+                         kv + t.head * plane, kv + (kv_heads + t.head) * plane,
+                         tables + t.span * width, scale, out + row * out_stride + head0,
+                         out_stride);
         }
         free(w);
     }

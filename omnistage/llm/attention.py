@@ -5,7 +5,8 @@ one gather of a batch of block tables yields (2, Hkv, B, L, D) contiguously, rea
 matmuls with no transpose copy. New keys/values are written through `slot_mapping` (block * block_size +
 offset) before attention reads them.
 
-One step's tokens are ordered: single-token decodes first, then prefill chunks. With a
+One step's tokens are ordered: decodes (one generated position each) first, then prefill
+chunks (prompt positions, or several positions recomputed after preemption). With a
 `PagedAttentionKernel` (CPU float32, omnistage/kernels/paged_attention.c) the decodes are one
 native call per layer and the prefill chunks another, both reading the blocks in place
 (`NativeBatches`). Otherwise decodes run in PyTorch, gathered per `DecodeGroup`, and each
