@@ -145,9 +145,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    g.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "matmul"],
-                   help="linear layers: oneDNN packed GEMM (fp32 on CPU) or plain matmul "
-                        "(default: auto: onednn where available)")
+    g.add_argument("--linear-kernel", default="auto", choices=["auto", "native", "onednn", "matmul"],
+                   help="linear layers of the LLM stages: our native CPU kernel (fp32, compiled on "
+                        "first use), oneDNN's packed GEMM (fp32 on CPU) or plain matmul (default: "
+                        "auto: native where it builds, else onednn where available, else matmul; "
+                        "diffusion stages use onednn for anything but matmul)")
     g.add_argument("--attention-kernel", default="auto", choices=["auto", "native", "torch"],
                    help="attention: the native CPU kernels (fp32, compiled on first use with the "
                         "machine's C compiler) or plain PyTorch (default: auto: native where "

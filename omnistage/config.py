@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse KV blocks of identical prompt prefixes
     seed: int = 0                         # seed of unseeded sampling
     num_threads: int | None = None        # torch CPU threads; default: torch's choice
-    linear_kernel: str = "auto"           # auto (onednn on CPU fp32 when available) | onednn | matmul
+    linear_kernel: str = "auto"           # auto (native on CPU fp32 when it builds, else onednn) | native | onednn | matmul
     attention_kernel: str = "auto"        # auto (native on CPU fp32 when it builds) | native | torch
 
     def __post_init__(self) -> None:
@@ -43,8 +43,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise bad(name, f"must be a positive integer or unset, got {v!r}")
-        if self.linear_kernel not in ("auto", "onednn", "matmul"):
-            raise bad("linear_kernel", f"must be auto, onednn or matmul; got {self.linear_kernel!r}")
+        if self.linear_kernel not in ("auto", "native", "onednn", "matmul"):
+            raise bad("linear_kernel", f"must be auto, native, onednn or matmul; got {self.linear_kernel!r}")
         if self.attention_kernel not in ("auto", "native", "torch"):
             raise bad("attention_kernel", f"must be auto, native or torch; got {self.attention_kernel!r}")
         if not self.kv_cache_memory_gb > 0:

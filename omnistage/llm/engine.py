@@ -17,6 +17,8 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from omnistage.kernels.build import NativeBuildError
+from omnistage.kernels.linear import NativeLinearKernel
+from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
@@ -93,17 +95,31 @@ class LLMEngine:
         self._seq_ids = SeqIdCounter()
 
     def _pack_linears(self) -> str:
-        """Choose the linear kernel: oneDNN's packed GEMM where it serves, else matmul."""
+        """Choose the linear kernel: ours where it serves and builds, else oneDNN's packed GEMM
+        where it serves, else matmul. An explicit choice that cannot serve is an error."""
         want = self.config.linear_kernel
-        available = onednn_linear_available(self.device, self.dtype)
-        if want == "onednn" and not available:
+        if want == "matmul":
+            return "matmul"
+        if want in ("auto", "native"):
+            why = native_linear_unsupported(self.device, self.dtype)
+            if why is None:
+                try:
+                    pack_linears(self.model, NativeLinearKernel())
+                    return "native"
+                except NativeBuildError as e:
+                    why = str(e)
+            if want == "native":
+                raise InvalidRequestError(f"linear_kernel=native is not available: {why}; use "
+                                          "auto, onednn or matmul", param="linear_kernel")
+            log.info("linear layers without the native kernel: %s", why)
+        if onednn_linear_available(self.device, self.dtype):
+            pack_linears(self.model, None)
+            return "onednn"
+        if want == "onednn":
             raise InvalidRequestError(
                 "linear_kernel=onednn needs float32 on a CPU with a oneDNN-enabled torch build; "
                 "use auto or matmul", param="linear_kernel")
-        if want == "matmul" or not available:
-            return "matmul"
-        pack_linears(self.model)
-        return "onednn"
+        return "matmul"
 
     def _attention_kernel(self) -> PagedAttentionKernel | None:
         """The native attention kernels where they serve (built on first use), else None: the

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.linear import NativeLinearKernel
 from omnistage.models.onednn import pack_weight, packed_linear
 
 
@@ -19,10 +20,13 @@ class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias). `shard_sizes` splits the output columns into merged parts
     (e.g. q, k, v) that are loaded from separate checkpoint tensors.
 
-    After loading, `pack_for_onednn()` may replace the weight by oneDNN's blocked layout (CPU
-    only): its fp32 GEMM uses AVX-512 where the default BLAS path stays on AVX2, 2-3x faster
-    on the CPUs we serve from (measured: ~450 vs ~190 GFLOP/s on two Zen cores, and 35 vs
-    21 GB/s for a matrix-vector product).
+    After loading, the weight may move into a CPU kernel's own layout (fp32; `pack`):
+    - `native`: 64-column panels for our kernel (omnistage/kernels/linear.c). It is as fast
+      as oneDNN for many rows, streams ~20% faster for one (a single-stream decode), and
+      gives every row the same bits whatever batch it is in.
+    - `onednn`: oneDNN's blocked layout. Its fp32 GEMM uses AVX-512 where the default BLAS
+      path stays on AVX2, 2-3x faster on the CPUs we serve from (measured: ~450 vs ~190
+      GFLOP/s on two Zen cores, and 35 vs 21 GB/s for a matrix-vector product).
     """
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool,
@@ -36,6 +40,8 @@ class TransposedLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None   # oneDNN-blocked (out, in) weight, if packed
+        self.panels: torch.Tensor | None = None   # native kernel's (ceil(out/64), in, 64), if packed
+        self.native: NativeLinearKernel | None = None
 
     def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
         """w: (out_shard, in) as checkpoints store it."""
@@ -48,12 +54,18 @@ class TransposedLinear(nn.Module):
         _check_shape(b, (size,))
         self.bias[off:off + size].copy_(b)
 
-    def pack_for_onednn(self) -> None:
-        """Move the weight into oneDNN's layout and drop the plain copy."""
-        self.packed = pack_weight(self.weight_t.t())          # (out, in)
+    def pack(self, kernel: NativeLinearKernel | None) -> None:
+        """Move the weight into `kernel`'s panels (None: oneDNN's layout); drop the plain copy."""
+        self.out_features = self.weight_t.shape[1]
+        if kernel is not None:
+            self.native, self.panels = kernel, kernel.pack(self.weight_t)
+        else:
+            self.packed = pack_weight(self.weight_t.t())          # (out, in)
         self.weight_t = nn.Parameter(torch.empty(0, dtype=self.weight_t.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(x, self.panels, self.bias, self.out_features)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if self.bias is None:
@@ -61,11 +73,11 @@ class TransposedLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every TransposedLinear of `model` for oneDNN; returns how many."""
+def pack_linears(model: nn.Module, kernel: NativeLinearKernel | None) -> int:
+    """Pack every TransposedLinear of `model` for `kernel` (None: oneDNN); returns how many."""
     linears = [m for m in model.modules() if isinstance(m, TransposedLinear)]
     for m in linears:
-        m.pack_for_onednn()
+        m.pack(kernel)
     return len(linears)
 
 
