@@ -38,24 +38,25 @@ class NativeLinearKernel:
     def pack(weight_t: torch.Tensor) -> torch.Tensor:
         """(in, out) weight -> (ceil(out / 64), in, 64) panels, zero-padded past `out`."""
         k, n = weight_t.shape
+        assert weight_t.dtype == torch.float32
         padded = weight_t.new_zeros(k, -(-n // PANEL) * PANEL)
         padded[:, :n] = weight_t
         return padded.view(k, -1, PANEL).transpose(0, 1).contiguous()
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
-        """x (..., in) -> (..., out_features)."""
+        """x (..., in) -> (..., out_features). `panels` come from `pack`; bias: (out_features,)
+        contiguous or None. Called ~50 times per decode step: checks stay minimal."""
         k = panels.shape[1]
-        flat = x.reshape(-1, k)
-        if flat.stride(-1) != 1 or flat.dtype != torch.float32:
-            flat = flat.contiguous().float()
-        # The C code trusts these (a wrong one reads out of bounds rather than raising).
-        assert x.shape[-1] == k and panels.is_contiguous() and panels.dtype == torch.float32
-        assert panels.shape[0] * PANEL >= out_features and panels.shape[2] == PANEL
-        assert bias is None or (bias.is_contiguous() and bias.shape == (out_features,))
-        y = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-        if flat.shape[0]:
-            self._linear(flat.data_ptr(), flat.stride(0), panels.data_ptr(),
-                         None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0),
-                         flat.shape[0], out_features, k)
-        return y.view(*x.shape[:-1], out_features)
+        if x.dim() != 2 or not x.is_contiguous():
+            return self(x.reshape(-1, k).contiguous(), panels, bias, out_features).view(
+                *x.shape[:-1], out_features)
+        m = x.shape[0]
+        # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
+        if x.shape[1] != k or x.dtype != torch.float32:
+            raise ValueError(f"native linear: input {tuple(x.shape)} {x.dtype}, weight in_features {k}")
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        if m:
+            self._linear(x.data_ptr(), k, panels.data_ptr(), bias if bias is None else bias.data_ptr(),
+                         y.data_ptr(), out_features, m, out_features, k)
+        return y

@@ -58,6 +58,7 @@ class TransposedLinear(nn.Module):
         """Move the weight into `kernel`'s panels (None: oneDNN's layout); drop the plain copy."""
         self.out_features = self.weight_t.shape[1]
         if kernel is not None:
+            assert self.bias is None or self.bias.is_contiguous()
             self.native, self.panels = kernel, kernel.pack(self.weight_t)
         else:
             self.packed = pack_weight(self.weight_t.t())          # (out, in)
