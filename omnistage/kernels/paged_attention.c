@@ -336,3 +336,40 @@ int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *re
     free(tiles);
     return failed ? -1 : 0;
 }
+
+/* ---- the new tokens' RoPE and cache write ------------------------------------------------ */
+
+/* For each new token t: rotate its query and key heads in place (rotate-half RoPE: with
+ * x = (x1, x2) halves, x' = (x1 cos - x2 sin, x2 cos + x1 sin), cos/sin per column), then copy
+ * its (rotated) K and V heads into cache slot slots[t] (block * BLOCK + offset).
+ *   qkv  (T, (Hkv * GROUP + 2 Hkv) * HEAD_DIM) rows at stride ld: q heads, k heads, v heads
+ *   cos, sin  (T, HEAD_DIM) rows at stride cs_stride
+ * One call per layer replaces ~8 tensor ops (slices, negation, concatenation, products and
+ * two indexed writes); every element's arithmetic depends only on its own token. */
+void rope_write_f32(float *restrict qkv, int64_t ld, const float *restrict cos,
+                    const float *restrict sin, int64_t cs_stride, const int64_t *restrict slots,
+                    float *restrict kv, int64_t tokens, int64_t kv_heads, int64_t num_blocks) {
+    const int64_t plane = num_blocks * BLOCK * HEAD_DIM, rotated = kv_heads * (GROUP + 1);
+    enum { HALF = HEAD_DIM / 2 };
+    #pragma omp parallel for schedule(static) if (tokens > 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * ld;
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t h = 0; h < rotated; h++) {
+            float *x = row + h * HEAD_DIM;
+            float x1[HALF], x2[HALF];
+            memcpy(x1, x, sizeof x1);
+            memcpy(x2, x + HALF, sizeof x2);
+            for (int i = 0; i < HALF; i++) {
+                x[i] = x1[i] * c[i] - x2[i] * s[i];
+                x[HALF + i] = x2[i] * c[HALF + i] + x1[i] * s[HALF + i];
+            }
+        }
+        const float *k = row + kv_heads * GROUP * HEAD_DIM, *v = k + kv_heads * HEAD_DIM;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            memcpy(kv + h * plane + slots[t] * HEAD_DIM, k + h * HEAD_DIM, HEAD_DIM * sizeof(float));
+            memcpy(kv + (kv_heads + h) * plane + slots[t] * HEAD_DIM, v + h * HEAD_DIM,
+                   HEAD_DIM * sizeof(float));
+        }
+    }
+}

@@ -43,6 +43,9 @@ class PagedAttentionKernel:
         self._prefill = lib.paged_prefill_f32
         self._prefill.argtypes = [p, i64, p, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_float]
         self._decode.restype = self._prefill.restype = ctypes.c_int
+        self._rope_write = lib.rope_write_f32
+        self._rope_write.argtypes = [p, i64, p, p, i64, p, p, i64, i64, i64]
+        self._rope_write.restype = None
 
     def decode(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
                lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
@@ -69,16 +72,39 @@ class PagedAttentionKernel:
         if rc != 0:
             raise MemoryError("paged prefill attention: could not allocate its work list or scratch")
 
+    def rope_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """qkv (T, (Hq + 2 Hkv) D), unit-stride rows: RoPE on its q and k heads in place, then
+        its K and V heads into the cache kv at flat slots (T,) int64 (block * bs + offset).
+        cos, sin: (T, 1, D) or (T, D), unit-stride rows."""
+        t = qkv.shape[0]
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        assert qkv.shape[1] == width and qkv.stride(1) == 1 and qkv.dtype == torch.float32
+        assert cos.shape[0] == sin.shape[0] == t and cos.shape[-1] == self.head_dim
+        assert cos.stride() == sin.stride() and cos.stride(-1) == 1 and cos.dtype == torch.float32
+        assert slots.dtype == torch.int64 and slots.shape == (t,) and slots.is_contiguous()
+        self._check_cache(kv)
+        self._rope_write(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                         cos.stride(0), slots.data_ptr(), kv.data_ptr(), t, self.num_kv_heads,
+                         kv.shape[2])
+
+    def check_index(self, *index: torch.Tensor) -> None:
+        """Block tables and per-sequence lengths as the C code reads them (a wrong layout reads
+        out of bounds rather than raising). Done once per step, when they are built."""
+        for t in index:
+            assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == index[0].shape[0]
+
     def _check(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
                *index: torch.Tensor) -> torch.Tensor:
-        """The C code trusts these layouts (a wrong one reads out of bounds rather than
-        raising): check them, and return q with unit-stride heads."""
+        """q, kv and out as the C code reads them (index tensors: `check_index`); returns q
+        with unit-stride heads."""
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:
             q = q.contiguous()
         assert q.shape[1:] == (self.num_heads, self.head_dim) and out.shape == q.shape
-        assert out.is_contiguous() and kv.is_contiguous()
-        assert kv.dtype == q.dtype == out.dtype == torch.float32
-        assert kv.shape[1] == self.num_kv_heads and kv.shape[3:] == (self.block_size, self.head_dim)
-        for t in (tables, *index):
-            assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == index[0].shape[0]
+        assert out.is_contiguous() and q.dtype == out.dtype == torch.float32
+        self._check_cache(kv)
         return q
+
+    def _check_cache(self, kv: torch.Tensor) -> None:
+        assert kv.is_contiguous() and kv.dtype == torch.float32
+        assert kv.shape[1] == self.num_kv_heads and kv.shape[3:] == (self.block_size, self.head_dim)

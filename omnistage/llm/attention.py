@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels.paged_attention import PagedAttentionKernel
+from omnistage.models.layers import RotaryEmbedding
 
 
 @dataclass
@@ -50,6 +51,12 @@ class NativeBatches:
     prefill_starts: torch.Tensor    # (N,) first row of each chunk
     prefill_lens: torch.Tensor      # (N,) query tokens of each chunk
     prefill_ctx: torch.Tensor       # (N,) keys visible to each chunk's last token
+
+    def __post_init__(self) -> None:
+        # Checked once per step, not in each layer's calls: the C code trusts them.
+        self.kernel.check_index(self.decode_tables, self.decode_lens)
+        self.kernel.check_index(self.prefill_tables, self.prefill_starts, self.prefill_lens,
+                                self.prefill_ctx)
 
 
 @dataclass
@@ -109,19 +116,40 @@ class KVCache:
         return 2 * hkv * num_blocks * bs * d
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens. Returns (T, Hq, D)."""
-    cache.write(k, v, meta.slot_mapping)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+def attend_projections(qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                       cache: KVCache, meta: AttentionMetadata, num_heads: int,
+                       scale: float) -> torch.Tensor:
+    """One layer's attention from its fused projection qkv (T, (Hq + 2 Hkv) D): RoPE on the
+    query and key heads, the new K and V into the cache, then attention over each sequence's
+    paged context. Returns (T, Hq * D). With native kernels, two calls: the RoPE and cache
+    write (in place in qkv), then the attention."""
+    t, hq = qkv.shape[0], num_heads
+    hkv, d = cache.kv.shape[1], cache.kv.shape[4]
     nb = meta.native
     if nb is not None:
+        nb.kernel.rope_write(qkv, *cos_sin, meta.slot_mapping, cache.kv)
+        q = qkv[:, :hq * d].view(t, hq, d)
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
         n = nb.decode_lens.shape[0]
         if n:
             nb.kernel.decode(q[:n], cache.kv, nb.decode_tables, nb.decode_lens, out[:n], scale)
         if nb.prefill_lens.shape[0]:
             nb.kernel.prefill(q, cache.kv, nb.prefill_tables, nb.prefill_starts, nb.prefill_lens,
                               nb.prefill_ctx, out, scale)
+        return out.view(t, hq * d)
+    # q and k sit side by side in each row: rotate them in one go.
+    qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
+    q, k = qk.split([hq, hkv], dim=1)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    return paged_attention(q, k, v, cache, meta, scale).reshape(t, hq * d)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The PyTorch path. q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens, rotated.
+    Returns (T, Hq, D)."""
+    cache.write(k, v, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.size)
         out[rows] = _decode(q[rows], cache, group, scale, meta.workspace)

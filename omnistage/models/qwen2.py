@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.llm.attention import AttentionMetadata, KVCache, paged_attention
+from omnistage.llm.attention import AttentionMetadata, KVCache, attend_projections
 from omnistage.models.layers import RMSNorm, RotaryEmbedding, TransposedLinear
 
 
@@ -71,13 +71,8 @@ class Qwen2Attention(nn.Module):
                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden), or (R, hidden) for the rows `out_rows` only: every
         row's K and V still enter the cache."""
-        t, hq, hkv, d = x.shape[0], self.hq, self.hkv, self.d
         qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
-        # q and k sit side by side in each row: rotate them in one go.
-        qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
-        q, k = qk.split([hq, hkv], dim=1)
-        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
-        o = paged_attention(q, k, v, cache, meta, self.scale).reshape(t, hq * d)
+        o = attend_projections(qkv, cos_sin, cache, meta, self.hq, self.scale)   # (T, Hq D)
         return self.o(o if out_rows is None else o[out_rows])
 
 

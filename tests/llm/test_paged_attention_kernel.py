@@ -11,6 +11,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.kernels.build import NativeBuildError, compiler
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.llm.attention import KVCache
+from omnistage.models.layers import RotaryEmbedding
 
 try:
     compiler()
@@ -173,3 +174,27 @@ def test_prompt_rows_do_not_depend_on_chunking(tiny_qwen2, budget):
     for p, r, g in zip(prompts, ref, got):
         n = len(p["prompt_token_ids"])
         assert torch.equal(r[:n], g[:n])
+
+
+@needs_cc
+@pytest.mark.parametrize("mrope", [False, True])
+def test_rope_write_matches_torch(mrope):
+    """The native RoPE + cache write equals RotaryEmbedding.apply and KVCache.write: rotated
+    q and k heads in place, k and v at their slots, every other slot untouched."""
+    hq, hkv, d, bs, t = 8, 2, 64, 16, 37
+    g = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(d, 512, 10000.0, "cpu", (8, 12, 12) if mrope else None)
+    positions = (torch.randint(0, 512, (3, t), generator=g) if mrope
+                 else torch.randint(0, 512, (t,), generator=g))
+    cos_sin = rope.lookup(positions, torch.float32)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    slots = torch.randperm(10 * bs, generator=g)[:t]
+    ref_cache = KVCache(hkv, 10, bs, d, torch.float32, torch.device("cpu"))
+    ref_cache.kv.copy_(torch.randn(ref_cache.kv.shape, generator=g))
+    cache = KVCache(hkv, 10, bs, d, torch.float32, torch.device("cpu"))
+    cache.kv.copy_(ref_cache.kv)
+    qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
+    ref_cache.write(qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d), slots)
+    PagedAttentionKernel(hq, hkv, d, bs).rope_write(qkv, *cos_sin, slots, cache.kv)
+    torch.testing.assert_close(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), qk, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cache.kv, ref_cache.kv, atol=1e-6, rtol=1e-6)
