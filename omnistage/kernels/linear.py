@@ -39,6 +39,8 @@ class NativeLinearKernel:
         """(in, out) weight -> (ceil(out / 64), in, 64) panels, zero-padded past `out`."""
         k, n = weight_t.shape
         assert weight_t.dtype == torch.float32
+        if n % PANEL == 0 and weight_t.is_contiguous():   # no padded copy (a real lm_head is GBs)
+            return weight_t.view(k, -1, PANEL).transpose(0, 1).contiguous()
         padded = weight_t.new_zeros(k, -(-n // PANEL) * PANEL)
         padded[:, :n] = weight_t
         return padded.view(k, -1, PANEL).transpose(0, 1).contiguous()
