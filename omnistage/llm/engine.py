@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -32,6 +33,21 @@ from omnistage.outputs import Delta, TokenLogprob
 from omnistage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def _native_kernel(option: str, why: str | None, build: Callable[[], Any], others: str,
+                   want: str) -> tuple[Any, str | None]:
+    """(kernel, None) where `why` (the reason it cannot serve) is None and `build()` compiles;
+    else (None, the reason), or, when `option` asked for native explicitly, an
+    InvalidRequestError naming the reason and the `others` to use instead."""
+    if why is None:
+        try:
+            return build(), None
+        except NativeBuildError as e:
+            why = str(e)
+    if want == "native":
+        raise InvalidRequestError(f"{option}=native is not available: {why}; use {others}", param=option)
+    return None, why
 
 
 @dataclass
@@ -101,16 +117,11 @@ class LLMEngine:
         if want == "matmul":
             return "matmul"
         if want in ("auto", "native"):
-            why = native_linear_unsupported(self.device, self.dtype)
-            if why is None:
-                try:
-                    pack_linears(self.model, NativeLinearKernel())
-                    return "native"
-                except NativeBuildError as e:
-                    why = str(e)
-            if want == "native":
-                raise InvalidRequestError(f"linear_kernel=native is not available: {why}; use "
-                                          "auto, onednn or matmul", param="linear_kernel")
+            kernel, why = _native_kernel("linear_kernel", native_linear_unsupported(self.device, self.dtype),
+                                         NativeLinearKernel, "auto, onednn or matmul", want)
+            if kernel is not None:
+                pack_linears(self.model, kernel)
+                return "native"
             log.info("linear layers without the native kernel: %s", why)
         if onednn_linear_available(self.device, self.dtype):
             pack_linears(self.model, None)
@@ -129,18 +140,14 @@ class LLMEngine:
             return None
         _, kv_heads, head_dim = self.model.kv_shape
         heads = self.model.config.num_attention_heads
-        why = unsupported_reason(self.device, self.dtype, heads, kv_heads, head_dim,
-                                 self.config.block_size)
-        if why is None:
-            try:
-                return PagedAttentionKernel(heads, kv_heads, head_dim, self.config.block_size)
-            except NativeBuildError as e:
-                why = str(e)
-        if want == "native":
-            raise InvalidRequestError(f"attention_kernel=native is not available: {why}; use auto "
-                                      "or torch", param="attention_kernel")
-        log.info("attention in PyTorch: the native kernels do not serve here (%s)", why)
-        return None
+        kernel, why = _native_kernel(
+            "attention_kernel",
+            unsupported_reason(self.device, self.dtype, heads, kv_heads, head_dim, self.config.block_size),
+            lambda: PagedAttentionKernel(heads, kv_heads, head_dim, self.config.block_size),
+            "auto or torch", want)
+        if kernel is None:
+            log.info("attention in PyTorch: the native kernels do not serve here (%s)", why)
+        return kernel
 
     # ---- sizing ---------------------------------------------------------------------------
     def _max_model_len(self) -> int:

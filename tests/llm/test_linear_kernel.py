@@ -11,21 +11,13 @@ import torch
 from omnistage import Omni, SamplingParams
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.kernels.build import NativeBuildError, compiler
 from omnistage.kernels.linear import NativeLinearKernel, unsupported_reason
 
-try:
-    compiler()
-    HAVE_CC = True
-except NativeBuildError:
-    HAVE_CC = False
-needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the kernel")
+needs_cc = pytest.mark.usefixtures("c_compiler")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> NativeLinearKernel:
-    if not HAVE_CC:
-        pytest.skip("no C compiler to build the kernel")
+def kernel(c_compiler) -> NativeLinearKernel:
     return NativeLinearKernel()
 
 
@@ -86,17 +78,12 @@ def test_unsupported_reasons():
     assert "CPUs" in unsupported_reason(torch.device("meta"), torch.float32)
 
 
-def _prompts(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(11)
-    return [{"prompt_token_ids": torch.randint(0, 500, (3 + 29 * i,), generator=g).tolist()}
-            for i in range(n)]
-
 
 @needs_cc
-def test_engine_kernels_agree(tiny_model):
+def test_engine_kernels_agree(tiny_model, random_prompts):
     """Greedy tokens of concurrent requests are the same with every linear kernel."""
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    prompts = _prompts(9)
+    prompts = random_prompts(9, 11, 3, 29)
     runs = {}
     for name in ("native", "onednn", "matmul"):
         omni = Omni(tiny_model, linear_kernel=name)
@@ -106,13 +93,13 @@ def test_engine_kernels_agree(tiny_model):
 
 
 @needs_cc
-def test_request_alone_equals_request_in_batch(tiny_qwen2):
+def test_request_alone_equals_request_in_batch(tiny_qwen2, random_prompts):
     """With the native kernels (linear and attention), a request's logprobs are the same bits
     alone as among 16 others that prefill and decode in the same steps."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     omni = Omni(tiny_qwen2, linear_kernel="native", attention_kernel="native",
                 enable_prefix_caching=False)
-    prompts = _prompts(17)
+    prompts = random_prompts(17, 11, 3, 29)
     [alone] = omni.generate(prompts[5:6], params)
     batch = omni.generate(prompts, params)
     assert batch[5].token_ids == alone.token_ids

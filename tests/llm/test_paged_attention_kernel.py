@@ -8,17 +8,11 @@ import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.errors import InvalidRequestError
-from omnistage.kernels.build import NativeBuildError, compiler
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.llm.attention import KVCache
 from omnistage.models.layers import RotaryEmbedding
 
-try:
-    compiler()
-    HAVE_CC = True
-except NativeBuildError:
-    HAVE_CC = False
-needs_cc = pytest.mark.skipif(not HAVE_CC, reason="no C compiler to build the kernel")
+needs_cc = pytest.mark.usefixtures("c_compiler")
 
 
 def _case(hq, hkv, d, bs, lens, seed, spread=1.0):
@@ -127,20 +121,15 @@ def test_unsupported_reasons():
     assert "CPUs" in unsupported_reason(torch.device("meta"), f32, 8, 2, 64, 16)
 
 
-def _prompts(n: int) -> list[dict]:
-    g = torch.Generator().manual_seed(7)
-    return [{"prompt_token_ids": torch.randint(0, 500, (5 + 37 * i,), generator=g).tolist()}
-            for i in range(n)]
-
 
 @needs_cc
-def test_native_and_torch_paths_agree(tiny_model):
+def test_native_and_torch_paths_agree(tiny_model, random_prompts):
     """Greedy tokens of concurrent requests equal with either decode attention."""
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     native = Omni(tiny_model, attention_kernel="native")
     plain = Omni(tiny_model, attention_kernel="torch")
     assert (native.engine.attention_kernel, plain.engine.attention_kernel) == ("native", "torch")
-    prompts = _prompts(9)
+    prompts = random_prompts(9, 7, 5, 37)
     got = [o.token_ids for o in native.generate(prompts, params)]
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
 
@@ -161,11 +150,11 @@ def test_attention_kernel_option(tiny_qwen2, tmp_path, monkeypatch):
 
 @needs_cc
 @pytest.mark.parametrize("budget", [1, 5, 16])
-def test_prompt_rows_do_not_depend_on_chunking(tiny_qwen2, budget):
+def test_prompt_rows_do_not_depend_on_chunking(tiny_qwen2, budget, random_prompts):
     """The native path gives a prompt's hidden rows bit for bit however the token budget
     splits it (one-token chunks included) and whatever else shares the steps."""
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    prompts = _prompts(3)
+    prompts = random_prompts(3, 7, 5, 37)
     whole = Omni(tiny_qwen2, attention_kernel="native", enable_prefix_caching=False)
     split = Omni(tiny_qwen2, attention_kernel="native", enable_prefix_caching=False,
                  max_num_batched_tokens=budget)
