@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.kernels.build import NativeBuildError, compiler
+
 # Two shapes: GQA with tied embeddings (the default tiny), and MHA with untied embeddings,
 # three layers and a different head count.
 TINY_SHAPES = {
@@ -49,3 +51,12 @@ def tiny_omni(tmp_path_factory) -> str:
     from omnistage.tiny import build_tiny
 
     return str(build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("qwen2_5_omni"), seed=0, size="tiny"))
+
+
+@pytest.fixture(scope="session")
+def c_compiler() -> str:
+    """The C compiler the native kernels build with; skips the test where there is none."""
+    try:
+        return compiler()
+    except NativeBuildError as e:
+        pytest.skip(f"no C compiler to build the native kernels: {e}")

@@ -12,8 +12,10 @@ import shutil
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 from omnistage.entrypoints.model_source import cache_dir
+from omnistage.errors import InvalidRequestError
 
 # -ffp-contract=fast: `acc += a * b` is one fused multiply-add in every kernel and every
 # compiler (GCC's default for GNU C; clang's default fuses only within one expression).
@@ -22,6 +24,22 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-
 
 class NativeBuildError(RuntimeError):
     """No C compiler, or the source did not compile here."""
+
+
+def pick_native(option: str, want: str, why: str | None, build: Callable[[], Any],
+                others: str) -> tuple[Any, str | None]:
+    """For an engine option (auto | native | ...) set to `want`: (kernel, None) where `why`
+    (the reason the kernel cannot serve) is None and `build()` compiles; else (None, the
+    reason), or, when the option asked for native explicitly, an InvalidRequestError naming
+    the reason and the `others` values to use instead."""
+    if why is None:
+        try:
+            return build(), None
+        except NativeBuildError as e:
+            why = str(e)
+    if want == "native":
+        raise InvalidRequestError(f"{option}=native is not available: {why}; use {others}", param=option)
+    return None, why
 
 
 def compiler() -> str:

@@ -11,13 +11,12 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
-from omnistage.kernels.build import NativeBuildError
+from omnistage.kernels.build import pick_native
 from omnistage.kernels.linear import NativeLinearKernel
 from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
@@ -34,20 +33,6 @@ from omnistage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-
-def _native_kernel(option: str, why: str | None, build: Callable[[], Any], others: str,
-                   want: str) -> tuple[Any, str | None]:
-    """(kernel, None) where `why` (the reason it cannot serve) is None and `build()` compiles;
-    else (None, the reason), or, when `option` asked for native explicitly, an
-    InvalidRequestError naming the reason and the `others` to use instead."""
-    if why is None:
-        try:
-            return build(), None
-        except NativeBuildError as e:
-            why = str(e)
-    if want == "native":
-        raise InvalidRequestError(f"{option}=native is not available: {why}; use {others}", param=option)
-    return None, why
 
 
 @dataclass
@@ -117,8 +102,8 @@ class LLMEngine:
         if want == "matmul":
             return "matmul"
         if want in ("auto", "native"):
-            kernel, why = _native_kernel("linear_kernel", native_linear_unsupported(self.device, self.dtype),
-                                         NativeLinearKernel, "auto, onednn or matmul", want)
+            kernel, why = pick_native("linear_kernel", want, native_linear_unsupported(self.device, self.dtype),
+                                      NativeLinearKernel, "auto, onednn or matmul")
             if kernel is not None:
                 pack_linears(self.model, kernel)
                 return "native"
@@ -140,11 +125,11 @@ class LLMEngine:
             return None
         _, kv_heads, head_dim = self.model.kv_shape
         heads = self.model.config.num_attention_heads
-        kernel, why = _native_kernel(
-            "attention_kernel",
+        kernel, why = pick_native(
+            "attention_kernel", want,
             unsupported_reason(self.device, self.dtype, heads, kv_heads, head_dim, self.config.block_size),
             lambda: PagedAttentionKernel(heads, kv_heads, head_dim, self.config.block_size),
-            "auto or torch", want)
+            "auto or torch")
         if kernel is None:
             log.info("attention in PyTorch: the native kernels do not serve here (%s)", why)
         return kernel

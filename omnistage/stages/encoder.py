@@ -19,7 +19,7 @@ class Encoders(Protocol):
         """Work units of one job (e.g. audio frames + image patches)."""
 
     def encode(self, jobs: list[Any]) -> list[Any]:
-        """One output message per job, in order; all jobs in one batched pass per tower."""
+        """One output message per job, in order (the model decides how it batches them)."""
 
 
 class EncoderStage:

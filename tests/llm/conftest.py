@@ -1,20 +1,9 @@
-"""Fixtures shared by the native kernel tests."""
+"""Fixtures shared by the engine tests."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from omnistage.kernels.build import NativeBuildError, compiler
-
-
-@pytest.fixture(scope="session")
-def c_compiler() -> str:
-    """The C compiler the native kernels build with; skips the test where there is none."""
-    try:
-        return compiler()
-    except NativeBuildError as e:
-        pytest.skip(f"no C compiler to build the native kernels: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,13 @@ import logging
 
 import pytest
 import torch
+from torch import nn
 
 from omnistage import Omni, SamplingParams
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import NativeLinearKernel, unsupported_reason
+from omnistage.models.layers import use_native_linears
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
 
@@ -122,3 +124,16 @@ def test_linear_kernel_option(tiny_qwen2, tmp_path, monkeypatch, caplog):
     assert "without the native kernel" in caplog.text
     with pytest.raises(InvalidRequestError, match="linear_kernel=native.*(could not compile|does not run)"):
         Omni(tiny_qwen2, linear_kernel="native")
+
+
+def test_native_linear_module_swap(kernel):
+    """use_native_linears swaps every fp32 nn.Linear (bias or not) for the same product."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 70), nn.GELU(), nn.Linear(70, 9, bias=False))
+    x = torch.randn(5, 3, 40)
+    with torch.inference_mode():
+        ref = model(x)
+        assert use_native_linears(model, kernel) == 2
+        assert all(type(m) is not nn.Linear for m in model.modules())
+        assert model[0].weight.dtype == torch.float32
+        torch.testing.assert_close(model(x), ref, atol=1e-5, rtol=1e-5)

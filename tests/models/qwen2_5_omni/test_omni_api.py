@@ -73,7 +73,7 @@ def test_generate_returns_text_and_speech(omni_dir, omni_deploy):
 
 def test_concurrent_mixed_requests_equal_alone(omni_dir, omni_deploy):
     reqs = _requests(16)
-    omni = AsyncOmni(omni_dir, deploy_config=omni_deploy, linear_kernel="matmul", max_num_seqs=16)
+    omni = AsyncOmni(omni_dir, deploy_config=omni_deploy, max_num_seqs=16)
 
     async def one(prompt, params, opts):
         tokens, audio = [], []
@@ -99,14 +99,11 @@ def test_concurrent_mixed_requests_equal_alone(omni_dir, omni_deploy):
         assert (a1 is None) == (a2 is None), f"request {i}"
         if a1 is None:
             continue
-        assert np.isfinite(a2).all() and np.abs(a2).max() > 0, f"request {i}"
-        if i % 4 == 1:   # text in: same codes and noise; batched DiT rows sum in another order
-            assert a1.shape == a2.shape, f"request {i}"
-            np.testing.assert_allclose(a1, a2, atol=1e-4, rtol=1e-3, err_msg=f"request {i}")
-        # Audio or image in: the encoder stage batches media of several requests, and its
-        # embeddings (and so the thinker's hidden states the talker reads) differ in the last
-        # float bits from a request's own batch; a near-tie among the tiny talker's greedy
-        # codes can then flip (seen once in 16 requests), so exact audio is not asserted.
+        # Same codes (the talker reads the thinker's hidden states, the same bits alone and
+        # batched: native kernels, batch-invariant encoders), same noise; the batched DiT's rows
+        # sum in another order, so the waveforms agree to float noise.
+        assert a1.shape == a2.shape, f"request {i}"
+        np.testing.assert_allclose(a1, a2, atol=1e-4, rtol=1e-3, err_msg=f"request {i}")
 
 
 def test_abort_mid_stream_frees_every_stage(omni_dir, local_only):

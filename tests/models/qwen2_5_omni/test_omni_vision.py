@@ -231,6 +231,15 @@ def test_tower_order_of_items_does_not_matter(hf_tower, batch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_tower_item_alone_equals_item_in_batch(hf_tower, batch):
+    """Bit for bit: segments are attended per length group and every other op is per row."""
+    ours = _ours_from(hf_tower)
+    with torch.inference_mode():
+        together = ours([p.pixel_values for p in batch], [p.grid_thw for p in batch])
+        for p, out in zip(batch, together):
+            assert torch.equal(ours([p.pixel_values], [p.grid_thw])[0], out)
+
+
 def test_tower_bfloat16_is_close_to_float32(hf_tower, batch):
     ours32, ours16 = _ours_from(hf_tower), _ours_from(hf_tower, dtype=torch.bfloat16)
     pv, grids = [p.pixel_values for p in batch[:2]], [p.grid_thw for p in batch[:2]]
