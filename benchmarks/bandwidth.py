@@ -31,7 +31,8 @@ def torch_threads(n: int):
         torch.set_num_threads(old)
 
 
-def _seconds(fn, repeats: int) -> list[float]:
+def seconds(fn, repeats: int) -> list[float]:
+    """`repeats` timings of fn() after one untimed call, fastest first."""
     fn()  # touch pages / warm caches of code paths
     times = []
     for _ in range(repeats):
@@ -56,8 +57,8 @@ def measure_read_bandwidth(gib: float = 1.0, threads: int = 2, repeats: int = 20
         w = torch.rand(rows, cols, dtype=torch.float32)
         x = torch.rand(1, rows, dtype=torch.float32)
         size = w.numel() * 4
-        sum_t = _seconds(w.sum, repeats)
-        mv_t = _seconds(lambda: torch.mm(x, w), repeats)
+        sum_t = seconds(w.sum, repeats)
+        mv_t = seconds(lambda: torch.mm(x, w), repeats)
     sum_bw, mv_bw = size / sum_t[1], size / mv_t[1]
     median = (lambda t: round(size / t[len(t) // 2] / 1e9, 2))
     return {"threads": threads, "gib": round(size / (1 << 30), 3), "repeats": repeats,

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bandwidth import seconds  # noqa: E402
 from omnistage.kernels.linear import NativeLinearKernel  # noqa: E402
 from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear  # noqa: E402
 
@@ -35,13 +35,7 @@ COLD_BYTES = 256e6        # rotate one-row weights over at least this much (L3 i
 
 
 def _best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return seconds(fn, repeats)[0]
 
 
 def _kernels(native: NativeLinearKernel, have_onednn: bool):
