@@ -54,9 +54,10 @@ def tiny_omni(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def c_compiler() -> str:
     """The C compiler the native kernels build with; skips the test where there is none."""
-    # Imported here, not at the top: importing more modules into every test process moves
-    # the heap, and tests/media/test_video_encode.py's same-bytes check then fails ~60% of
-    # runs (x264 through PyAV depends on memory it did not initialise; see the session note).
+    # Imported here, not at the top: with one more module imported into every test process,
+    # tests/media/test_video_encode.py's same-bytes check failed ~60% of runs (two x264
+    # encodes of the same frames, same options, came out 1751 vs 1774 bytes). Cause unknown:
+    # process-state dependent; valgrind's memcheck finds no uninitialised read on that path.
     from omnistage.kernels.build import NativeBuildError, compiler
 
     try:
