@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.kernels.build import NativeBuildError, compiler
+
 # Two shapes: GQA with tied embeddings (the default tiny), and MHA with untied embeddings,
 # three layers and a different head count.
 TINY_SHAPES = {
@@ -54,12 +56,6 @@ def tiny_omni(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def c_compiler() -> str:
     """The C compiler the native kernels build with; skips the test where there is none."""
-    # Imported here, not at the top: with one more module imported into every test process,
-    # tests/media/test_video_encode.py's same-bytes check failed ~60% of runs (two x264
-    # encodes of the same frames, same options, came out 1751 vs 1774 bytes). Cause unknown:
-    # process-state dependent; valgrind's memcheck finds no uninitialised read on that path.
-    from omnistage.kernels.build import NativeBuildError, compiler
-
     try:
         return compiler()
     except NativeBuildError as e:
