@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from omnistage.models.layers import replace_linears
 from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear
 
 
@@ -36,10 +37,5 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU `nn.Linear` in `model` by a PackedLinear; returns how many.
     A no-op where oneDNN's packed linear is unavailable (GPU, other dtypes)."""
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if type(mod) is nn.Linear and onednn_linear_available(mod.weight.device, mod.weight.dtype)]
-    for name, mod in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(mod))
-    return len(targets)
+    return replace_linears(model, PackedLinear,
+                           lambda m: onednn_linear_available(m.weight.device, m.weight.dtype))

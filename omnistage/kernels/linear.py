@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.kernels.build import build_library
+from omnistage.kernels.build import build_library, pick_native
 
 SOURCE = Path(__file__).with_name("linear.c")
 PANEL = 64  # output columns per panel (linear.c)
@@ -22,6 +22,14 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if dtype != torch.float32:
         return f"it reads float32 weights (these are {str(dtype).removeprefix('torch.')})"
     return None
+
+
+def native_linear_kernel(want: str, device: torch.device, dtype: torch.dtype
+                         ) -> tuple[NativeLinearKernel | None, str | None]:
+    """For `linear_kernel` = want (auto or native): the kernel, or (None, why it cannot serve
+    here); `native` that cannot serve raises InvalidRequestError."""
+    return pick_native("linear_kernel", want, unsupported_reason(device, dtype), NativeLinearKernel,
+                       "auto, onednn or matmul")
 
 
 class NativeLinearKernel:

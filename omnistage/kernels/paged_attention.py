@@ -51,7 +51,7 @@ class PagedAttentionKernel:
                lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """Row b of q (B, Hq, D) attends to the lens[b] keys in the blocks of tables[b];
         kv: the layer's (2, Hkv, NB, bs, D) cache; out: (B, Hq, D) contiguous, written."""
-        q = self._check(q, kv, tables, out, lens)
+        q = self._check(q, kv, out)
         rc = self._decode(q.data_ptr(), q.stride(0), kv.data_ptr(), tables.data_ptr(),
                           lens.data_ptr(), out.data_ptr(), q.shape[0], self.num_kv_heads,
                           kv.shape[2], tables.shape[1], scale)
@@ -64,7 +64,7 @@ class PagedAttentionKernel:
         """Chunk i: rows q_starts[i] .. + q_lens[i] of q (T, Hq, D), whose last row sees
         ctx_lens[i] keys (causal within the chunk) in the blocks of tables[i]; the same rows
         of out (T, Hq, D, contiguous) are written."""
-        q = self._check(q, kv, tables, out, q_starts, q_lens, ctx_lens)
+        q = self._check(q, kv, out)
         rc = self._prefill(q.data_ptr(), q.stride(0), kv.data_ptr(), tables.data_ptr(),
                            q_starts.data_ptr(), q_lens.data_ptr(), ctx_lens.data_ptr(),
                            out.data_ptr(), tables.shape[0], self.num_kv_heads, kv.shape[2],
@@ -94,8 +94,7 @@ class PagedAttentionKernel:
         for t in index:
             assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == index[0].shape[0]
 
-    def _check(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
-               *index: torch.Tensor) -> torch.Tensor:
+    def _check(self, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """q, kv and out as the C code reads them (index tensors: `check_index`); returns q
         with unit-stride heads."""
         if q.stride(2) != 1 or q.stride(1) != self.head_dim:

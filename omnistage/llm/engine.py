@@ -17,8 +17,7 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from omnistage.kernels.build import pick_native
-from omnistage.kernels.linear import NativeLinearKernel
-from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
+from omnistage.kernels.linear import native_linear_kernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.detokenizer import IncrementalDetokenizer, find_stop
@@ -32,7 +31,6 @@ from omnistage.outputs import Delta, TokenLogprob
 from omnistage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -102,8 +100,7 @@ class LLMEngine:
         if want == "matmul":
             return "matmul"
         if want in ("auto", "native"):
-            kernel, why = pick_native("linear_kernel", want, native_linear_unsupported(self.device, self.dtype),
-                                      NativeLinearKernel, "auto, onednn or matmul")
+            kernel, why = native_linear_kernel(want, self.device, self.dtype)
             if kernel is not None:
                 pack_linears(self.model, kernel)
                 return "native"

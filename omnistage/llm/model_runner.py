@@ -84,13 +84,13 @@ class ModelRunner:
         self._add_embed_feeds(chunks, rows, embeds)
         if self.model.position_dims == 3:
             positions = self._mrope_positions(chunks, positions)
-        sample_chunks = [(c, r1 - 1) for c, (_, r1) in zip(chunks, rows) if c.sample]
+        sample_chunks = [c for c, (_, r1) in zip(chunks, rows) if c.sample]
+        sample_rows = torch.tensor([r1 - 1 for c, (_, r1) in zip(chunks, rows) if c.sample],
+                                   dtype=torch.int64, device=self.device)
         # Only the sampled rows leave the model, unless a sequence wants its hidden states
         # (then all do) or every row samples anyway (a decode-only step).
-        out_rows = None
-        if len(sample_chunks) < len(ids) and not any(c.seq.return_hidden_states for c in chunks):
-            out_rows = torch.tensor([r for _, r in sample_chunks], dtype=torch.int64, device=self.device)
-        hidden = self.model(embeds, positions, self.caches, meta, out_rows)
+        prune = len(sample_chunks) < len(ids) and not any(c.seq.return_hidden_states for c in chunks)
+        hidden = self.model(embeds, positions, self.caches, meta, sample_rows if prune else None)
 
         result = StepResult(sampled=[])
         for chunk, (r0, r1) in zip(chunks, rows):
@@ -112,9 +112,7 @@ class ModelRunner:
                 result.input_embeds[seq.seq_id] = e
                 seq.num_hidden_emitted = chunk.start + chunk.num_new_tokens
         if sample_chunks:
-            if out_rows is None:
-                hidden = hidden[torch.tensor([r for _, r in sample_chunks], device=self.device)]
-            result.sampled = self._sample(hidden, [c for c, _ in sample_chunks])
+            result.sampled = self._sample(hidden if prune else hidden[sample_rows], sample_chunks)
         return result
 
     # ---- inputs ---------------------------------------------------------------------------

@@ -8,11 +8,14 @@ GPUs. Merged projections (q|k|v, gate|up) are one weight with column shards.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.linear import NativeLinearKernel
+from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
 from omnistage.models.onednn import pack_weight, packed_linear
 
 
@@ -34,7 +37,7 @@ class TransposedLinear(nn.Module):
         super().__init__()
         self.shard_sizes = list(shard_sizes)
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
-        out = sum(shard_sizes)
+        out = self.out_features = sum(shard_sizes)
         self.weight_t = nn.Parameter(torch.empty(in_features, out, dtype=dtype, device=device),
                                      requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
@@ -56,7 +59,6 @@ class TransposedLinear(nn.Module):
 
     def pack(self, kernel: NativeLinearKernel | None) -> None:
         """Move the weight into `kernel`'s panels (None: oneDNN's layout); drop the plain copy."""
-        self.out_features = self.weight_t.shape[1]
         if kernel is not None:
             assert self.bias is None or self.bias.is_contiguous()
             self.native, self.panels = kernel, kernel.pack(self.weight_t)
@@ -101,15 +103,22 @@ class NativeLinear(nn.Module):
         return self.kernel(x, self.panels, self.bias, self.out_features)
 
 
-def use_native_linears(model: nn.Module, kernel: NativeLinearKernel) -> int:
-    """Replace every fp32 CPU `nn.Linear` of `model` by a NativeLinear (nn.Module's public
-    child replacement, as quantization swaps layers); returns how many."""
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
+                    serves: Callable[[nn.Linear], bool]) -> int:
+    """Replace every plain `nn.Linear` of `model` that `serves` accepts by `make(linear)`,
+    through nn.Module's public child replacement (as quantization swaps layers); returns how
+    many."""
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and serves(m)]
     for name, m in targets:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, NativeLinear(m, kernel))
+        setattr(model.get_submodule(parent) if parent else model, child, make(m))
     return len(targets)
+
+
+def use_native_linears(model: nn.Module, kernel: NativeLinearKernel) -> int:
+    """Replace every fp32 CPU `nn.Linear` of `model` by a NativeLinear; returns how many."""
+    return replace_linears(model, lambda m: NativeLinear(m, kernel),
+                           lambda m: native_linear_unsupported(m.weight.device, m.weight.dtype) is None)
 
 
 class RMSNorm(nn.Module):

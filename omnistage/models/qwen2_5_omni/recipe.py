@@ -14,9 +14,7 @@ import torch
 from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
-from omnistage.kernels.build import pick_native
-from omnistage.kernels.linear import NativeLinearKernel
-from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
+from omnistage.kernels.linear import native_linear_kernel
 from omnistage.llm.engine import LLMEngine, eos_token_ids, load_tokenizer
 from omnistage.models.layers import use_native_linears
 from omnistage.models.onednn import onednn_linear_available
@@ -83,9 +81,7 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         require_complete(vision, load_prefixed(vision, iter_weights(files), "thinker.visual."),
                          "thinker.visual")
         if config.linear_kernel in ("auto", "native"):
-            kernel, why = pick_native("linear_kernel", config.linear_kernel,
-                                      native_linear_unsupported(dev, dtype), NativeLinearKernel,
-                                      "auto, onednn or matmul")
+            kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
             # The towers' linear layers through the native GEMM: faster than the default BLAS
             # path here, and a row's result no longer depends on the batch around it, so a
             # request's media embeds to the same bits however the stage batches it.
