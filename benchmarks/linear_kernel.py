@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bandwidth import seconds  # noqa: E402
 from omnistage.kernels.linear import NativeLinearKernel  # noqa: E402
-from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear  # noqa: E402
+from omnistage.layers.onednn import onednn_linear_available, pack_weight, packed_linear
 
 # (out, in) of the small benchmark Qwen2: q|k|v, o, gate|up, down, lm_head.
 SMALL_SHAPES = [(768, 512), (512, 512), (3584, 512), (512, 1792), (32000, 512)]

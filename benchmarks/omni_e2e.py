@@ -144,7 +144,7 @@ class StageClock:
     def __init__(self, pipeline):
         import torch
 
-        from omnistage.stages.vocoder import VocoderStage
+        from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderStage
 
         cuda = pipeline.config.torch_device.type == "cuda"
         self._sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -246,7 +246,7 @@ class LevelResult:
 def omnistage_params(args: argparse.Namespace):
     """(thinker SamplingParams, OutputOptions with the talker's) of every timed request."""
     from omnistage import SamplingParams
-    from omnistage.entrypoints.engines import OutputOptions
+    from omnistage.engine_api import OutputOptions
 
     gen_file = Path(args.model_dir) / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -304,7 +304,7 @@ def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResu
     options.setdefault("max_num_seqs", max(64, max(args.concurrency)))
     t0 = time.perf_counter()
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
-    from omnistage.stages.vocoder import VocoderSettings
+    from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
     settings = OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget,
                                                     bf16_dit=args.token2wav_bf16))

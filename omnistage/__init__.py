@@ -6,7 +6,7 @@ commands do not pay for torch/transformers until they need them.
 
 import importlib
 
-__version__ = "0.1.0"
+from omnistage.version import __version__  # noqa: F401  (re-exported)
 
 _EXPORTS = {
     "Omni": "omnistage.entrypoints.omni",

@@ -72,7 +72,7 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
 
 def omni_options(args: argparse.Namespace) -> dict:
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
-    from omnistage.stages.vocoder import VocoderSettings
+    from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
     return {"deploy_config": args.deploy_config,
             "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps,
@@ -167,7 +167,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 def _generate_run(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
 
-    from omnistage.entrypoints.engines import OutputOptions
+    from omnistage.engine_api import OutputOptions
 
     from omnistage.entrypoints.model_source import resolve_model
 

@@ -1,7 +1,7 @@
 """StageGraph: a model's stages wired by its recipe's edges, run in this process.
 
-It is an engine like LLMEngine (add_request / step / abort_request), so Omni and AsyncOmni
-drive either one the same way. Each `step()` steps every stage that has work, upstream first,
+A family's pipeline (`graph_pipeline.GraphPipeline`) puts it behind the engine protocol. Each
+`step()` steps every stage that has work, upstream first,
 and routes what they emit along the recipe's edges at once: a chunk moves on in the same
 step it was made, so stages overlap within a request and across requests.
 
@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
-from omnistage.stages.base import Stage, StageFailure, StageOutput
+from omnistage.stages.base import Stage
+from omnistage.stage_messages import StageFailure, StageOutput
 
 CLIENT = "client"     # the edge target that means "back to the caller"
 
@@ -178,41 +179,3 @@ class StageGraph:
                 self.router.forget(msg.request_id)
         else:
             self.stages[dst].add(msg)
-
-
-class GraphPipeline:
-    """The engine interface (what Omni / AsyncOmni / the server call) of a model served as a
-    StageGraph: subclasses set `self.graph` and add request preparation."""
-
-    graph: StageGraph
-
-    @property
-    def requests(self) -> set[str]:
-        return self.graph.requests
-
-    def step(self) -> list[Delta]:
-        return self.graph.step()
-
-    def abort_request(self, request_id: str) -> list[Delta]:
-        return self.graph.abort_request(request_id)
-
-    def has_unfinished_requests(self) -> bool:
-        return self.graph.has_unfinished_requests()
-
-    @property
-    def num_aborted_requests(self) -> int:
-        return self.graph.num_aborted_requests
-
-    def close(self) -> None:
-        """Stop stage processes / actors (no-op for an all-local graph)."""
-        self.graph.close()
-
-    def health(self) -> str | None:
-        return self.graph.health()
-
-    def metrics(self) -> list[tuple[str, str, str, float]]:
-        out = [("omnistage_requests_in_engine", "gauge", "requests in the stage graph",
-                len(self.graph.requests)),
-               ("omnistage_requests_aborted_total", "counter", "requests aborted (client gone, or abort())",
-                self.graph.num_aborted_requests)]
-        return out + self.graph.metrics()

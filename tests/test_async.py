@@ -80,7 +80,7 @@ def text_of(deltas, index: int = 0) -> str:
 
 async def wait_idle(llm: AsyncOmni) -> None:
     """Bounded wait until the engine holds no request and every block is free again."""
-    engine = llm.engine
+    engine = llm.engine.llm
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         if not engine.requests and engine.num_free_blocks == engine.num_blocks and not llm._streams:
@@ -110,7 +110,7 @@ def test_concurrent_streams_match_the_blocking_api(llm, reference):
         assert tokens_of(deltas) == expected[0], f"prompt {i}"
         check_complete(deltas, expected)
         assert all(d.index == 0 for d in deltas)
-    assert llm.engine.requests == {} and llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.requests == {} and llm.engine.llm.num_free_blocks == llm.engine.llm.num_blocks
 
 
 def test_streams_deliver_token_by_token(llm, reference):
@@ -133,7 +133,7 @@ def test_n_samples_stream_every_sample(llm, reference):
         assert tokens_of(deltas, i) == reference[4][0]
         assert text_of(deltas, i) == reference[4][1]
     assert sum(d.finished for d in deltas) == 3
-    assert llm.engine.requests == {} and llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.requests == {} and llm.engine.llm.num_free_blocks == llm.engine.llm.num_blocks
 
 
 # ---- leaving early / abort --------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_abort_of_an_unknown_request_is_ignored(llm, reference):
 
 
 def test_engine_abort_before_the_samples_fork_reports_every_sample(blocking):
-    engine = blocking.engine
+    engine = blocking.engine.llm
     engine.add_request("n3", list(range(100)), SamplingParams(n=3, max_tokens=5))
     engine.step()                          # part of the prefill: nothing forked yet
     deltas = engine.abort_request("n3")

@@ -40,7 +40,7 @@ def baseline(llm):
 
 
 def assert_still_serves(llm: Omni, baseline) -> None:
-    engine = llm.engine
+    engine = llm.engine.llm
     assert engine.requests == {}, "a failed request was left in the engine"
     assert not engine.scheduler.has_work()
     assert engine.num_free_blocks == engine.num_blocks, "a failed request leaked KV blocks"

@@ -3,7 +3,7 @@ InvalidRequestError naming the param, over every hop: stage -> StageFailure -> (
 process's msgspec channel) -> StageGraph -> FailureDelta -> failure_error; a stage's crash
 stays a StageFailedError.
 
-This module is also the recipe of a toy stage (MESSAGE_TYPES / SETTINGS / build_stage), so a
+This module is also the recipe of a toy stage (its RECIPE: settings, messages, build_stage), so a
 real stage process (RemoteStage, spawned) can build it: the hop under test is the protocol,
 not a model.
 """
@@ -21,8 +21,9 @@ from omnistage.errors import InvalidRequestError, StageFailedError
 from omnistage.graph import CLIENT, Edge, FailureDelta, StageGraph, failure_error
 from omnistage.outputs import Delta
 from omnistage.runtime.codec import Codec
-from omnistage.runtime.stage_worker import message_types
-from omnistage.stages.base import StageFailure, StageOutput
+from omnistage.stages.worker import message_types
+from omnistage.stage_messages import StageFailure, StageOutput
+from omnistage.stages.recipe import Recipe
 
 STAGE = "toy"
 
@@ -38,15 +39,11 @@ class Done(msgspec.Struct):
     request_id: str
 
 
-MESSAGE_TYPES = [Job, Done]
 
 
 @dataclass
 class Settings:
     pass
-
-
-SETTINGS = Settings
 
 
 class ToyStage:
@@ -108,6 +105,10 @@ class Router:
 
     def unfinished(self) -> set[str]:
         return set(self._live)
+
+
+RECIPE = Recipe(__name__, Settings, lambda model, settings: [STAGE], build_stage,
+                lambda config, settings: Router(), lambda: [Job, Done])
 
 
 # ---- tests ---------------------------------------------------------------------------------

@@ -8,29 +8,16 @@ folder cannot make us import anything else), each with its own `from_pretrained`
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnistage.errors import CheckpointError, ModelLoadError
+from omnistage.layers.checkpoint import read_model_index
 
 _LIBRARIES = ("diffusers", "transformers")
 _NO_DTYPE = ("scheduler", "tokenizer", "processor", "feature_extractor", "image_processor")
-
-
-def read_model_index(folder: str | Path) -> dict:
-    path = Path(folder) / "model_index.json"
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"{path} is missing; a diffusers folder needs model_index.json") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON ({e})") from e
-    if not isinstance(index, dict) or "_class_name" not in index:
-        raise ModelLoadError(f"{path} must be an object with a '_class_name'")
-    return index
 
 
 def load_component(folder: str | Path, name: str, dtype: torch.dtype, device: torch.device,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from omnistage.models.layers import replace_linears
-from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear
+from omnistage.layers.linear import replace_linears
+from omnistage.layers.onednn import onednn_linear_available, pack_weight, packed_linear
 
 
 class PackedLinear(nn.Module):

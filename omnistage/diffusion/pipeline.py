@@ -1,6 +1,7 @@
-"""DiffusionPipeline: the engine behind Omni / AsyncOmni / the server for diffusers-format
-folders. It checks and resolves a request (defaults, size multiples, seed), then runs it on a
-one-stage StageGraph (`recipe.py`), which a deploy config may place in another process."""
+"""DiffusionPipeline: the engine (omnistage.engine_api) behind Omni / AsyncOmni / the server for
+diffusers-format folders. It checks and resolves a request (defaults, size multiples, seed),
+then runs it on a one-stage StageGraph (`recipe.py`), which a deploy config may place in
+another process."""
 
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ from PIL import Image
 from omnistage.config import EngineConfig
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
-from omnistage.diffusion.recipe import (DiffusionSettings, build_family, build_router, build_stage,
-                                        pipeline_class, stage_names)
+from omnistage.diffusion.recipe import RECIPE, DiffusionSettings, build_family, pipeline_class
+from omnistage.engine_api import EngineAbilities, OutputOptions
 from omnistage.errors import InvalidRequestError
-from omnistage.graph import GraphPipeline, StageGraph
-from omnistage.stages.remote import wait_all_started
+from omnistage.graph_pipeline import GraphPipeline
 
 log = logging.getLogger(__name__)
 
@@ -39,26 +39,20 @@ class DiffusionPrompt:
 
 
 class DiffusionPipeline(GraphPipeline):
+    recipe = RECIPE
     tokenizer = None
-    audio_output = False
 
     def __init__(self, config: EngineConfig, settings: DiffusionSettings | None = None, placement=None):
-        self.config, self.settings = config, settings or DiffusionSettings()
         self.pipeline_class = pipeline_class(config.model)
-        place = placement or (lambda name, build: build())
-        stages = [place(name, lambda name=name: build_stage(name, config, self.settings))
-                  for name in stage_names(config.model, self.settings)]
-        wait_all_started(stages)
-        self.graph = StageGraph(stages, build_router(config, self.settings))
-        self.family = _local_family(stages) or _light_family(config)
+        super().__init__(config, settings, placement)
+        self.family = _local_family(self.graph.stages.values()) or _light_family(config)
+        lim = self.settings.limits
+        self.abilities = EngineAbilities(generates="video" if self.family.is_video else "image",
+                                         max_input_pixels=lim.max_input_pixels, max_frames=lim.max_frames)
         log.info("%s ready (%s)", self.pipeline_class, Path(config.model).name)
 
-    @property
-    def is_video(self) -> bool:
-        return self.family.is_video
-
     # ---- requests -------------------------------------------------------------------------
-    def prepare(self, prompt: Any) -> DiffusionPrompt:
+    def prepare(self, prompt: Any, opts: OutputOptions | None = None) -> DiffusionPrompt:
         """A string, or {"prompt": str, "image": one or a list of PIL images / uint8 arrays /
         encoded bytes, "mask": the same}.
 
@@ -154,12 +148,15 @@ class DiffusionPipeline(GraphPipeline):
                                 else "none")
         return msgspec.structs.replace(params, **updates) if updates else params
 
-    def add_request(self, request_id: str, prompt: DiffusionPrompt, params: DiffusionParams | None) -> None:
-        resolved = self.resolve(prompt, params)
+    def default_params(self) -> DiffusionParams:
+        return DiffusionParams()
+
+    def add_request(self, request_id: str, prompt: DiffusionPrompt, params: DiffusionParams | None,
+                    opts: OutputOptions | None = None, return_hidden_states: bool = False) -> None:
+        resolved = self.resolve(prompt, params)       # (no hidden states: not a text model)
         self.graph.add_request(request_id, DiffusionRequest(request_id, prompt.text, resolved,
                                                             prompt.images, prompt.mask))
 
-    # ---- the engine interface (the rest is GraphPipeline's) ---------------------------------
     def num_waiting_requests(self) -> int:
         return max(0, len(self.graph.requests) - self.settings.stage.max_batch)
 

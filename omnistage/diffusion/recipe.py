@@ -1,6 +1,6 @@
 """The diffusion models' recipe: one stage ("diffusion": encode, denoise, decode) and its edge
-to the client. The same interface as the omni recipes (stage_names / build_stage /
-build_router / MESSAGE_TYPES), so deploy configs place it in a process or a Ray actor too."""
+to the client. A Recipe like the omni families' (stages/recipe.py), so deploy configs place it in a
+process or a Ray actor too."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.diffusion.components import read_model_index
+from omnistage.layers.checkpoint import read_model_index
 from omnistage.diffusion.families import FAMILIES, family_class
 from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
 from omnistage.diffusion.params import DiffusionLimits, DiffusionParams
@@ -18,7 +18,8 @@ from omnistage.diffusion.stage import DiffusionStage, DiffusionStageSettings
 from omnistage.errors import UnsupportedArchitectureError
 from omnistage.graph import CLIENT, Edge
 from omnistage.outputs import Delta
-from omnistage.stages.base import StageOutput
+from omnistage.stage_messages import StageOutput
+from omnistage.stages.recipe import Recipe
 
 STAGE = "diffusion"
 
@@ -103,13 +104,8 @@ def build_router(config: EngineConfig, settings: DiffusionSettings) -> Diffusion
     return DiffusionRouter()
 
 
-SETTINGS = DiffusionSettings
+def _message_types() -> list[type]:
+    return [DiffusionRequest, DiffusionProgress, DiffusionResult, DiffusionParams]
 
 
-def build_pipeline(config: EngineConfig, settings: DiffusionSettings, placement=None):
-    from omnistage.diffusion.pipeline import DiffusionPipeline
-
-    return DiffusionPipeline(config, settings, placement)
-
-
-MESSAGE_TYPES = [DiffusionRequest, DiffusionProgress, DiffusionResult, DiffusionParams]
+RECIPE = Recipe(__name__, DiffusionSettings, stage_names, build_stage, build_router, _message_types)

@@ -22,7 +22,7 @@ import torch
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily
 from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.base import StageFailure, StageOutput
+from omnistage.stage_messages import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 

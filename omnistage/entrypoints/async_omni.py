@@ -12,7 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
+from omnistage.engine_api import EngineAbilities, OutputOptions
+from omnistage.entrypoints.engines import build_engine
 from omnistage.entrypoints.omni import engine_config
 from omnistage.entrypoints.prompts import new_request_id
 from omnistage.errors import EngineDeadError, InvalidRequestError
@@ -77,26 +78,20 @@ class AsyncOmni:
         (break, cancellation, disconnect) aborts the request."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.dead!r}")
-        diffusion = is_diffusion(self.engine)
-        if sampling_params is None and diffusion:
-            from omnistage.diffusion.params import DiffusionParams
-
-            sampling_params = DiffusionParams()
-        params = sampling_params or SamplingParams()
+        params = self.engine.default_params() if sampling_params is None else sampling_params
         rid = request_id or new_request_id()
         opts = output or OutputOptions()
-        # Tokenizing a long prompt (or decoding media) takes a while: keep the event loop free.
-        parsed = await asyncio.to_thread(prepare, self.engine, prompt, opts)
+        parsed = await self.prepare(prompt, opts)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
             if rid in self._streams:
                 raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
-            submit(self.engine, rid, parsed, params, opts, return_hidden_states)
+            self.engine.add_request(rid, parsed, params, opts, return_hidden_states)
             self._streams[rid] = stream
 
         self._submit(add, stream)
-        remaining = 1 if diffusion else params.n   # a diffusion request's images come in one delta
+        remaining = self.engine.num_samples(params)   # finished deltas that end the request
         try:
             while remaining:
                 item = await stream.queue.get()
@@ -111,6 +106,30 @@ class AsyncOmni:
         finally:
             if remaining:
                 self._submit(lambda: self._abort_now(rid))
+
+    async def prepare(self, prompt, opts: OutputOptions | None = None):
+        """The engine's checks and preprocessing of a prompt, in a worker thread: tokenizing a
+        long prompt or decoding media takes a while, and the event loop stays free."""
+        return await asyncio.to_thread(self.engine.prepare, prompt, opts or OutputOptions())
+
+    def resolve(self, prepared, params):
+        """The parameters a prepared request would run with (defaults filled, limits checked)."""
+        return self.engine.resolve(prepared, params)
+
+    @property
+    def abilities(self) -> EngineAbilities:
+        return self.engine.abilities
+
+    def num_waiting_requests(self) -> int:
+        """Requests waiting for a seat in the engine (the server's queue bound reads it)."""
+        return self.engine.num_waiting_requests()
+
+    def health(self) -> str | None:
+        """None while every part of the engine can serve, else why not."""
+        return self.engine.health()
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        return self.engine.metrics()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its generate() stream ends with finish_reason 'abort'."""

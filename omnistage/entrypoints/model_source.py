@@ -6,11 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-
-def cache_dir() -> Path:
-    root = os.environ.get("OMNISTAGE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "omnistage")
-    return Path(root)
+from omnistage.paths import cache_dir
 
 
 def resolve_model(model: str) -> str:

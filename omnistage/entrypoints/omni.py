@@ -6,10 +6,11 @@ from typing import Iterator
 
 import torch
 
-from omnistage.config import EngineConfig
 import numpy as np
 
-from omnistage.entrypoints.engines import OutputOptions, build_engine, is_diffusion, prepare, submit
+from omnistage.config import EngineConfig
+from omnistage.engine_api import OutputOptions
+from omnistage.entrypoints.engines import build_engine
 from omnistage.entrypoints.model_source import resolve_model
 from omnistage.entrypoints.prompts import is_single_prompt, new_request_id, params_for
 from omnistage.errors import InvalidRequestError
@@ -67,7 +68,7 @@ class Omni:
                             output or OutputOptions())
         hidden: dict[tuple[str, int], list[torch.Tensor]] = {}
         audio: dict[str, list[np.ndarray]] = {}
-        if is_diffusion(self.engine):
+        if self.engine.abilities.makes_pixels:
             return self._collect_images(outputs, use_tqdm)
         bar = _progress(sum(len(o.outputs) for o in outputs.values())) if use_tqdm else None
         tokens = 0
@@ -116,11 +117,7 @@ class Omni:
         return list(outputs.values())
 
     def _params(self, sampling_params, count: int) -> list:
-        if is_diffusion(self.engine):
-            from omnistage.diffusion.params import DiffusionParams
-
-            return params_for(sampling_params, count, DiffusionParams)
-        return params_for(sampling_params, count)
+        return params_for(sampling_params, count, type(self.engine.default_params()))
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None,
                output: OutputOptions | None = None) -> Iterator[Delta]:
@@ -131,16 +128,16 @@ class Omni:
 
     def _add(self, prompts: list, params: list[SamplingParams], hidden: bool,
              opts: OutputOptions) -> dict[str, OmniOutput]:
-        parsed = [prepare(self.engine, p, opts) for p in prompts]  # all checked first
+        parsed = [self.engine.prepare(p, opts) for p in prompts]  # all checked first
         outputs: dict[str, OmniOutput] = {}
         try:
             for pp, sp in zip(parsed, params):
                 rid = new_request_id()
-                submit(self.engine, rid, pp, sp, opts, hidden)
-                samples = 1 if is_diffusion(self.engine) else sp.n   # images come as one delta
+                self.engine.add_request(rid, pp, sp, opts, hidden)
+                samples = self.engine.num_samples(sp)   # (an image request's come as one delta)
                 outputs[rid] = OmniOutput(rid, pp.text, list(pp.token_ids),
                                           [CompletionOutput(i) for i in range(samples)])
-                if is_diffusion(self.engine):
+                if self.engine.abilities.makes_pixels:
                     outputs[rid].fps = sp.fps
         except BaseException:
             self._abort(outputs)

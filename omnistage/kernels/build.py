@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from omnistage.entrypoints.model_source import cache_dir
 from omnistage.errors import InvalidRequestError
+from omnistage.paths import cache_dir
 
 # -ffp-contract=fast: `acc += a * b` is one fused multiply-add in every kernel and every
 # compiler (GCC's default for GNU C; clang's default fuses only within one expression).

@@ -10,11 +10,12 @@ _ARCHITECTURES = {
 }
 
 
-# Multi-stage models served as a stage graph: architecture -> the module of its recipe.
+# Models served as a stage graph: architecture -> "module:Class" of its pipeline, an engine
+# (omnistage.engine_api) whose `recipe` builds its stages.
 STAGE_GRAPH_ARCHITECTURES = {
-    "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.recipe",
-    # diffusers folders (model_index.json "_class_name"): one recipe for every family
-    **{name: "omnistage.diffusion.recipe" for name in (
+    "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.pipeline:Qwen2_5OmniPipeline",
+    # diffusers folders (model_index.json "_class_name"): one pipeline for every family
+    **{name: "omnistage.diffusion.pipeline:DiffusionPipeline" for name in (
         "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",
         "QwenImageLayeredPipeline", "ZImagePipeline", "WanPipeline", "WanImageToVideoPipeline",
         "OvisImagePipeline", "LongCatImagePipeline", "LongCatImageEditPipeline")},
@@ -26,6 +27,7 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_model_class(architecture: str) -> type:
+    """The AR model class of a text architecture."""
     from omnistage.errors import UnsupportedArchitectureError
 
     target = _ARCHITECTURES.get(architecture)
@@ -33,5 +35,16 @@ def resolve_model_class(architecture: str) -> type:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported: "
             f"{', '.join(supported_architectures())}")
+    return _load(target)
+
+
+def pipeline_class(architecture: str) -> type | None:
+    """The pipeline (engine) class of a stage-graph architecture; None for text models."""
+    target = STAGE_GRAPH_ARCHITECTURES.get(architecture)
+    return None if target is None else _load(target)
+
+
+def _load(target: str) -> type:
+    """ "module:Class" -> the class. Imported on use: a table entry costs nothing until served."""
     module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.llm.attention import AttentionMetadata, KVCache, attend_projections
-from omnistage.models.layers import RMSNorm, RotaryEmbedding, TransposedLinear
+from omnistage.layers.attention import AttentionMetadata, KVCache, attend_projections
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.linear import TransposedLinear
 
 
 @dataclass

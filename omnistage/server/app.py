@@ -20,7 +20,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage import __version__
+from omnistage.version import __version__
+from omnistage.engine_api import OutputOptions
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
 from omnistage.outputs import Delta
@@ -30,7 +31,6 @@ from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_event, error_response
 from omnistage.server.streams import chain
 from omnistage.server.metrics import ServerMetrics
-from omnistage.entrypoints.engines import OutputOptions, is_diffusion
 from omnistage.server.image_routes import add_image_routes
 from omnistage.server.video_routes import add_video_routes
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -73,7 +73,7 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
         if app.state.draining and (request.method == "POST" or request.url.path == "/health"):
             return error_response(503, "the server is shutting down", headers={"X-Request-Id": rid})
-        if request.method == "POST" and engine.engine.num_waiting_requests() >= limits.max_queued_requests:
+        if request.method == "POST" and engine.num_waiting_requests() >= limits.max_queued_requests:
             return error_response(429, "too many queued requests; retry shortly",
                                   headers={"Retry-After": "1", "X-Request-Id": rid})
         try:
@@ -114,21 +114,22 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                                       param="model")
 
     def check_request(name: str, max_tokens: int | None) -> None:
-        if is_diffusion(engine.engine):
-            where = "POST /v1/videos" if engine.engine.is_video else "/v1/images/generations"
+        can = engine.abilities
+        if can.makes_pixels:
+            where = "POST /v1/videos" if can.generates == "video" else "/v1/images/generations"
             raise InvalidRequestError(f"this model generates images or video, not text; use {where}",
                                       param="model")
-        if max_tokens is not None and max_tokens >= engine.engine.max_model_len:
+        if max_tokens is not None and max_tokens >= can.max_model_len:
             raise InvalidRequestError(
                 f"max_tokens {max_tokens} does not fit the context window of "
-                f"{engine.engine.max_model_len} tokens", param="max_tokens")
+                f"{can.max_model_len} tokens", param="max_tokens")
         check_model(name)
 
     @app.get("/health")
     async def health():
         if engine.dead is not None:
             return error_response(503, "the engine stopped after an internal error")
-        why = engine.engine.health()
+        why = engine.health()
         if why is not None:
             return error_response(503, f"unhealthy: {why}")
         return {"status": "ok"}

@@ -14,7 +14,7 @@ from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnistage.entrypoints.engines import OutputOptions, is_pipeline
+from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.media.audio import decode_audio
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
@@ -40,23 +40,22 @@ class SpeechBody(BaseModel):
 
 def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) -> None:
     def speaking_engine():
-        inner = engine.engine
-        if not (is_pipeline(inner) and inner.audio_output):
+        if not engine.abilities.audio_output:
             raise InvalidRequestError("this model does not produce speech", param="model")
-        return inner
+        return engine.abilities
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody, request: Request):
         check_model(body.model)
-        inner = speaking_engine()
+        can = speaking_engine()
         if body.stream_format is not None and body.speed != 1.0:
             raise InvalidRequestError("speed applies to whole files; drop it or stream_format",
                                       param="speed")
         text = (body.instructions.strip() + "\n\n" if body.instructions else "") + READ_ALOUD + body.input
         # The thinker's answer is forced to be the input, verbatim, then its end-of-turn token:
         # the talker speaks from the thinker's hidden states over exactly those tokens.
-        forced = inner.tokenizer.encode(body.input, add_special_tokens=False) + [inner.end_of_turn_id]
-        if len(forced) >= inner.max_model_len // 2:
+        forced = engine.tokenizer.encode(body.input, add_special_tokens=False) + [can.end_of_turn_id]
+        if len(forced) >= can.max_model_len // 2:
             raise InvalidRequestError("input is too long for this model's context window", param="input")
         rid = f"speech-{request.state.request_id}"
         deltas = engine.generate([{"role": "user", "content": text}],
@@ -67,9 +66,9 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
         if body.stream_format == "sse":
             return StreamingResponse(_speech_sse(first, deltas), media_type="text/event-stream")
         if body.stream_format == "audio":
-            return StreamingResponse(_speech_chunks(first, deltas, body.response_format, inner.sample_rate),
+            return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate),
                                      media_type=content_type(body.response_format))
-        chunks, rate = [], inner.sample_rate
+        chunks, rate = [], can.sample_rate
         async for d in chain(first, deltas):
             if d.audio is not None:
                 chunks.append(d.audio)
@@ -86,8 +85,7 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
                              language: str | None = Form(None), prompt: str | None = Form(None),
                              response_format: str = Form("json"), temperature: float = Form(0.0)):
         check_model(model)
-        inner = engine.engine
-        if not is_pipeline(inner):
+        if not engine.abilities.audio_input:
             raise InvalidRequestError("this model does not take audio", param="model")
         if response_format not in ("json", "text", "verbose_json"):
             raise InvalidRequestError("response_format must be json, text or verbose_json",
@@ -100,9 +98,8 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
         ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
             (f" Context: {prompt}" if prompt else "")
         # decoded here (off the event loop), so the reply knows the audio's duration
-        limits = getattr(getattr(engine.engine, "settings", None), "limits", None)
         audio = await asyncio.to_thread(decode_audio, data, param="file",
-                                        max_seconds=getattr(limits, "max_audio_seconds", None))
+                                        max_seconds=engine.abilities.max_audio_seconds)
         messages = [{"role": "user", "content": [{"type": "audio", "audio": audio.samples},
                                                  {"type": "text", "text": ask}]}]
         t0 = time.monotonic()

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import FormData, UploadFile
 
 from omnistage.entrypoints.async_omni import AsyncOmni
-from omnistage.entrypoints.engines import is_diffusion
 from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
 from omnistage.server.errors import error_response
@@ -39,14 +38,14 @@ NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text
 
 def require_diffusion(engine: AsyncOmni, video: bool) -> None:
     """400 unless the served model is an image (video=False) or video (video=True) model."""
-    inner = engine.engine
-    if not is_diffusion(inner):
+    can = engine.abilities
+    if not can.makes_pixels:
         raise InvalidRequestError("this model generates text, not images or video; use "
                                   "/v1/chat/completions", param="model")
-    if inner.is_video and not video:
+    if can.generates == "video" and not video:
         raise InvalidRequestError("this is a video model; create videos with POST /v1/videos",
                                   param="model")
-    if video and not inner.is_video:
+    if video and can.generates != "video":
         raise InvalidRequestError("this is an image model; use /v1/images/generations (or "
                                   "/v1/images/edits for models that take input images)",
                                   param="model")
@@ -79,7 +78,7 @@ def add_image_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
         if form.get("mask") is not None:
             data = await read_upload(form.get("mask"), "mask")
             prompt["mask"] = await asyncio.to_thread(
-                decode_mask, data, engine.engine.settings.limits.max_input_pixels)
+                decode_mask, data, engine.abilities.max_input_pixels)
         return await _serve(engine, stats, request, prompt, body, "image_edit")
 
 

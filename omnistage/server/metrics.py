@@ -50,7 +50,7 @@ class ServerMetrics:
     audio_seconds: float = 0.0
 
     def render(self, engine) -> str:
-        values = engine.engine.metrics() + [
+        values = engine.metrics() + [
             ("omnistage_prompt_tokens_total", "counter", "prompt tokens of served requests", self.prompt_tokens),
             ("omnistage_generation_tokens_total", "counter", "tokens generated for served requests",
              self.generation_tokens),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketState
 
-from omnistage.entrypoints.engines import OutputOptions, is_diffusion
+from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError
 from omnistage.media.encode import encode_audio
 from omnistage.outputs import Delta
@@ -86,7 +86,7 @@ def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
                     "invalid_api_key")
     if app.state.draining:
         return 503, "the server is shutting down", None, None
-    if is_diffusion(engine.engine):
+    if engine.abilities.makes_pixels:
         return (400, ("this model generates images or video; the Realtime API serves text and "
                       "speech models (use /v1/images/generations or /v1/videos)"), "model", None)
     model = ws.query_params.get("model")
@@ -258,7 +258,7 @@ class RealtimeSession:
         if not self.conv.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
-        if self.engine.engine.num_waiting_requests() >= self.max_queued:
+        if self.engine.num_waiting_requests() >= self.max_queued:
             await self.send(error_json("too many queued requests; retry shortly",
                                        code="rate_limit_exceeded", kind="rate_limit_error",
                                        event_id=event_id))

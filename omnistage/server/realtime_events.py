@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from omnistage.entrypoints.engines import is_pipeline
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_base64, decode_pcm16
 from omnistage.server.vad import TurnDetection, parse_turn_detection
@@ -70,13 +69,10 @@ class ModelAbilities:
 
 
 def model_abilities(engine) -> ModelAbilities:
-    inner = engine.engine
-    limits = getattr(getattr(inner, "settings", None), "limits", None)
-    speaks = is_pipeline(inner) and getattr(inner, "audio_output", False)
-    return ModelAbilities(speakers=list(inner.speakers) if speaks else [],
-                          hears_audio=is_pipeline(inner),
-                          max_audio_seconds=getattr(limits, "max_audio_seconds",
-                                                    DEFAULT_MAX_AUDIO_SECONDS))
+    can = engine.abilities
+    return ModelAbilities(speakers=list(can.speakers) if can.audio_output else [],
+                          hears_audio=can.audio_input,
+                          max_audio_seconds=can.max_audio_seconds or DEFAULT_MAX_AUDIO_SECONDS)
 
 
 def default_config(model: ModelAbilities) -> SessionConfig:

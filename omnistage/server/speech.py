@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnistage.entrypoints.engines import OutputOptions, is_pipeline
+from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError
 from omnistage.media.encode import encode_audio
 from omnistage.media.fetch import MediaFetchPolicy, fetch_media
@@ -31,8 +31,8 @@ def output_options(engine, body) -> SpeechRequest:
     """The chat request's modalities/audio/talker fields, checked against the model."""
     mods = body.modalities or ["text"]
     speaks = "audio" in mods
-    inner = engine.engine
-    if speaks and not (is_pipeline(inner) and inner.audio_output):
+    can = engine.abilities
+    if speaks and not can.audio_output:
         raise InvalidRequestError("this model produces text only; drop 'audio' from modalities",
                                   param="modalities")
     if body.audio is not None and not speaks:
@@ -45,8 +45,9 @@ def output_options(engine, body) -> SpeechRequest:
     if body.talker is not None:
         if not speaks:
             raise InvalidRequestError("'talker' applies to audio output only", param="talker")
-        talker = body.talker.merged(inner.talker_defaults)
-    opts = OutputOptions(modalities=list(mods) if is_pipeline(inner) else ["text"],
+        talker = body.talker.merged(can.talker_defaults)
+    # (omni models check the modalities; a text model makes text whatever the list says)
+    opts = OutputOptions(modalities=list(mods) if can.audio_input else ["text"],
                          voice=body.audio.voice if body.audio is not None else None,
                          talker_params=talker, use_audio_in_video=body.use_audio_in_video)
     return SpeechRequest(opts, speaks, fmt)

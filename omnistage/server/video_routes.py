@@ -13,7 +13,6 @@ failed jobs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from typing import Literal
@@ -48,12 +47,11 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
         if body.model is not None:
             check_model(body.model)
         require_diffusion(engine, video=True)
-        inner = engine.engine
-        params = body.params(inner.settings.limits.max_frames)
+        params = body.params(engine.abilities.max_frames)
         prompt = {"prompt": body.prompt, "image": [reference]} if reference is not None else body.prompt
         try:
-            prepared = await asyncio.to_thread(inner.prepare, prompt)  # decodes the input image
-            resolved = inner.resolve(prepared, params)                  # defaults, limits, seed
+            prepared = await engine.prepare(prompt)       # decodes the input image
+            resolved = engine.resolve(prepared, params)   # defaults, limits, seed
         except InvalidRequestError as e:   # named as this API names the field (input_reference)
             raise InvalidRequestError(str(e), param=api_param(e.param)) from None
         seconds = (f"{body.duration():g}" if body.seconds is not None

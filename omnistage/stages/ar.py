@@ -14,7 +14,7 @@ from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import EmbedFeed
 from omnistage.outputs import TokenLogprob
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.base import StageOutput
+from omnistage.stage_messages import StageOutput
 
 
 class ARRequest(msgspec.Struct):

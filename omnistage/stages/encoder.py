@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from omnistage.stages.base import StageOutput
+from omnistage.stage_messages import StageOutput
 
 
 class Encoders(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import Channel, ChannelConfig
-from omnistage.runtime.stage_worker import worker_main
+from omnistage.stages.worker import worker_main
 from omnistage.stages.remote import RemoteStage
 
 

@@ -16,9 +16,9 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import ChannelConfig, PeerDeadError, spawn_child
-from omnistage.runtime.stage_worker import (Abort, Final, InitFailed, Ready, StageInit,
+from omnistage.stages.worker import (Abort, Final, InitFailed, Ready, StageInit,
                                             message_types, worker_main)
-from omnistage.stages.base import StageFailure, StageOutput
+from omnistage.stage_messages import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnistage.stages.base import Stage, StageOutput
+from omnistage.stages.base import Stage
+from omnistage.stage_messages import StageOutput
 
 
 class ReplicatedStage:

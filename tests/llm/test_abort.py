@@ -8,6 +8,7 @@ from collections import Counter
 from omnistage.config import EngineConfig
 from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import SequenceStatus
+from omnistage.models.loader import load_text_model
 from omnistage.sampling_params import SamplingParams
 
 
@@ -20,8 +21,9 @@ def _phase(engine: LLMEngine, rid: str) -> str:
 
 def test_random_aborts_leave_pool_full(tiny_qwen2):
     # A small pool and budget: prefill chunks, prefix hits, forks and preemptions all occur.
-    engine = LLMEngine(EngineConfig(tiny_qwen2, block_size=4, num_kv_blocks=64, max_model_len=200,
-                                    max_num_batched_tokens=48, max_num_seqs=24))
+    config = EngineConfig(tiny_qwen2, block_size=4, num_kv_blocks=64, max_model_len=200,
+                          max_num_batched_tokens=48, max_num_seqs=24)
+    engine = LLMEngine(config, *load_text_model(config))
     rng = random.Random(0)
     shared = [rng.randrange(500) for _ in range(40)]
     abort_at: dict[str, int] = {}     # request id -> step at which to abort it

@@ -39,7 +39,7 @@ def test_seeded_sample_is_batch_independent(llm):
 
 
 def test_n_samples_share_the_prompt_blocks(llm):
-    engine = llm.engine
+    engine = llm.engine.llm
     prompt = _ids(37, 5)
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     stream = llm.stream(prompt, params)
@@ -120,7 +120,7 @@ def test_logprobs_are_raw_model_logprobs(llm):
     hidden = out.outputs[0].hidden_states
     assert len(lps) == 6 and hidden.shape[0] == 15 + 5
     for i, lp in enumerate(lps):
-        logits = llm.engine.model.compute_logits(hidden[14 + i:15 + i])[0]
+        logits = llm.engine.llm.model.compute_logits(hidden[14 + i:15 + i])[0]
         ref = torch.log_softmax(logits, -1)
         assert lp.token_id == out.token_ids[i] == lp.top[0][0]      # greedy: the best token
         assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-4)
@@ -131,7 +131,7 @@ def test_prompt_embeds_equal_token_ids(llm):
     p = _ids(23, 8)["prompt_token_ids"]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     by_ids = llm.generate({"prompt_token_ids": p}, params)[0].token_ids
-    embeds = llm.engine.model.embed(torch.tensor(p)).clone()
+    embeds = llm.engine.llm.model.embed(torch.tensor(p)).clone()
     by_embeds = llm.generate({"prompt_embeds": embeds}, params)[0].token_ids
     assert by_embeds == by_ids
 
@@ -165,12 +165,12 @@ def test_progress_bar_does_not_change_outputs(llm, capsys):
 def test_prompt_embeds_shape_is_checked(llm):
     from omnistage.errors import InvalidRequestError
 
-    hidden = llm.engine.model.config.hidden_size
+    hidden = llm.engine.llm.model.config.hidden_size
     with pytest.raises(InvalidRequestError, match="prompt_embeds"):
         llm.generate({"prompt_embeds": torch.zeros(4, hidden + 1)})
     with pytest.raises(InvalidRequestError, match="same length"):
         llm.generate({"prompt_embeds": torch.zeros(4, hidden), "prompt_token_ids": [1, 2, 3]})
-    assert not llm.engine.requests and llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert not llm.engine.requests and llm.engine.llm.num_free_blocks == llm.engine.llm.num_blocks
 
 
 def test_forced_tokens_are_the_output_and_end_it(llm):
@@ -198,17 +198,17 @@ def test_prefix_hits_serve_hidden_states_and_embedding_prompts(tiny_qwen2, llm):
         out = engine.generate({"prompt_token_ids": prompt}, params, return_hidden_states=True)[0]
         return out.token_ids, out.outputs[0].hidden_states, out.num_cached_tokens
 
-    hits_before = llm.engine.block_manager.num_prefix_hit_tokens
+    hits_before = llm.engine.llm.block_manager.num_prefix_hit_tokens
     for p in prompts:
         toks, hidden, _ = run(llm, p)
         ref_toks, ref_hidden, _ = run(cold, p)
         assert toks == ref_toks
         assert hidden.shape == ref_hidden.shape == (len(p) + 4, ref_hidden.shape[1])
         torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
-    assert llm.engine.block_manager.num_prefix_hit_tokens - hits_before >= 2 * 12
+    assert llm.engine.llm.block_manager.num_prefix_hit_tokens - hits_before >= 2 * 12
 
     # Embedding prompts: the same vectors hit, other vectors (same length) do not.
-    emb = llm.engine.model.embed(torch.tensor(prompts[0])).clone()
+    emb = llm.engine.llm.model.embed(torch.tensor(prompts[0])).clone()
     first = llm.generate({"prompt_embeds": emb}, params)[0]
     again = llm.generate({"prompt_embeds": emb.clone()}, params)[0]
     assert again.token_ids == first.token_ids == cold.generate({"prompt_embeds": emb}, params)[0].token_ids

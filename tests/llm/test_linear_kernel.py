@@ -13,7 +13,7 @@ from omnistage import Omni, SamplingParams
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import NativeLinearKernel, unsupported_reason
-from omnistage.models.layers import use_native_linears
+from omnistage.layers.linear import use_native_linears
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
 
@@ -89,7 +89,7 @@ def test_engine_kernels_agree(tiny_model, random_prompts):
     runs = {}
     for name in ("native", "onednn", "matmul"):
         omni = Omni(tiny_model, linear_kernel=name)
-        assert omni.engine.linear_kernel == name
+        assert omni.engine.llm.linear_kernel == name
         runs[name] = [o.token_ids for o in omni.generate(prompts, params)]
     assert runs["native"] == runs["onednn"] == runs["matmul"]
 
@@ -115,12 +115,12 @@ def test_request_alone_equals_request_in_batch(tiny_qwen2, random_prompts):
 def test_linear_kernel_option(tiny_qwen2, tmp_path, monkeypatch, caplog):
     with pytest.raises(InvalidRequestError, match="linear_kernel"):
         EngineConfig(model=str(tiny_qwen2), linear_kernel="fast")
-    assert Omni(tiny_qwen2, linear_kernel="matmul").engine.linear_kernel == "matmul"
+    assert Omni(tiny_qwen2, linear_kernel="matmul").engine.llm.linear_kernel == "matmul"
     # A compiler that fails: auto falls back to oneDNN (and logs why); native says why.
     monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with caplog.at_level(logging.INFO, logger="omnistage"):
-        assert Omni(tiny_qwen2).engine.linear_kernel in ("onednn", "matmul")
+        assert Omni(tiny_qwen2).engine.llm.linear_kernel in ("onednn", "matmul")
     assert "without the native kernel" in caplog.text
     with pytest.raises(InvalidRequestError, match="linear_kernel=native.*(could not compile|does not run)"):
         Omni(tiny_qwen2, linear_kernel="native")

@@ -9,8 +9,8 @@ import torch
 from omnistage import Omni, SamplingParams
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
-from omnistage.llm.attention import KVCache
-from omnistage.models.layers import RotaryEmbedding
+from omnistage.layers.attention import KVCache
+from omnistage.layers.rotary import RotaryEmbedding
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
 
@@ -128,7 +128,7 @@ def test_native_and_torch_paths_agree(tiny_model, random_prompts):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     native = Omni(tiny_model, attention_kernel="native")
     plain = Omni(tiny_model, attention_kernel="torch")
-    assert (native.engine.attention_kernel, plain.engine.attention_kernel) == ("native", "torch")
+    assert (native.engine.llm.attention_kernel, plain.engine.llm.attention_kernel) == ("native", "torch")
     prompts = random_prompts(9, 7, 5, 37)
     got = [o.token_ids for o in native.generate(prompts, params)]
     assert got == [o.token_ids for o in plain.generate(prompts, params)]
@@ -139,11 +139,11 @@ def test_attention_kernel_option(tiny_qwen2, tmp_path, monkeypatch):
         Omni(tiny_qwen2, attention_kernel="fast")
     with pytest.raises(InvalidRequestError, match="block_size"):
         Omni(tiny_qwen2, attention_kernel="native", block_size=8)
-    assert Omni(tiny_qwen2, block_size=8).engine.attention_kernel == "torch"
+    assert Omni(tiny_qwen2, block_size=8).engine.llm.attention_kernel == "torch"
     # A compiler that fails: auto falls back to PyTorch; native says why it cannot serve.
     monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert Omni(tiny_qwen2).engine.attention_kernel == "torch"
+    assert Omni(tiny_qwen2).engine.llm.attention_kernel == "torch"
     with pytest.raises(InvalidRequestError, match="could not compile|does not run"):
         Omni(tiny_qwen2, attention_kernel="native")
 

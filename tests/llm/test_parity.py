@@ -69,7 +69,7 @@ def test_greedy_tokens_match_transformers(tiny_model, reference, regime):
     llm, got, _ = _run(tiny_model, prompts, **REGIMES[regime])
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) differs under {regime}"
-    engine = llm.engine
+    engine = llm.engine.llm
     assert engine.num_free_blocks == engine.num_blocks
     if regime.startswith("preemption"):
         assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
@@ -86,7 +86,7 @@ def test_prefix_cache_hits_and_still_matches(tiny_model, reference):
     # Every prompt of >= 5 tokens now finds its full blocks cached.
     for p, o in zip(prompts, again):
         assert o.num_cached_tokens == (len(p) - 1) // 4 * 4
-    assert llm.engine.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.llm.num_free_blocks == llm.engine.llm.num_blocks
 
 
 def test_prefill_logits_allclose(tiny_model, reference):
@@ -96,7 +96,7 @@ def test_prefill_logits_allclose(tiny_model, reference):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, return_hidden_states=True)
     for p, o in zip(prompts, outs):
         hidden = o.outputs[0].hidden_states[:len(p)]   # prompt positions (chunked over steps)
-        ours = llm.engine.model.compute_logits(hidden)
+        ours = llm.engine.llm.model.compute_logits(hidden)
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

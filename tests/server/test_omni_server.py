@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from omnistage import Omni, SamplingParams
-from omnistage.entrypoints.engines import OutputOptions
+from omnistage.engine_api import OutputOptions
 
 from server_helpers import cut_off_streams
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from omnistage import Omni, SamplingParams
-from omnistage.entrypoints.engines import OutputOptions
+from omnistage.engine_api import OutputOptions
 
 DEADLINE_S = 30            # every wait for an event is bounded by this
 

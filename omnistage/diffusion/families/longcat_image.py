@@ -37,7 +37,7 @@ from PIL import Image
 
 from omnistage.diffusion.components import load_component
 from omnistage.diffusion.families.ovis_image import OvisImageFamily, PackedCond
-from omnistage.diffusion.families.qwen_image import pack
+from omnistage.diffusion.families.qwen_image_common import pack
 from omnistage.diffusion.families.qwen_image_edit import LatentCache
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.diffusion.families.qwen_image import QwenCond, QwenImageFamily, pack
+from omnistage.diffusion.families.qwen_image import QwenImageFamily
+from omnistage.diffusion.families.qwen_image_common import QwenCond, pack
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.errors import InvalidRequestError, ModelLoadError

@@ -47,7 +47,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from PIL import Image
 
 from omnistage.diffusion.cache import StepCache
-from omnistage.diffusion.families.qwen_image import QwenCond, pack
+from omnistage.diffusion.families.qwen_image_common import QwenCond, pack
 from omnistage.diffusion.family import DenoiseJob
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams

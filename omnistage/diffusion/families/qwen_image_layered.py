@@ -33,7 +33,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.diffusion.families.qwen_image import QwenCond, QwenImageFamily, pack, pad_rows, unpack
+from omnistage.diffusion.families.qwen_image import QwenImageFamily
+from omnistage.diffusion.families.qwen_image_common import QwenCond, pack, pad_rows, unpack
 from omnistage.diffusion.families.qwen_image_edit import LatentCache, calculate_dimensions
 from omnistage.diffusion.family import DenoiseJob, cfg_rows
 from omnistage.diffusion.messages import DiffusionRequest

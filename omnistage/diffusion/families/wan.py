@@ -32,7 +32,8 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
 from omnistage.diffusion.cache import StepCache, cached_stack
-from omnistage.diffusion.components import load_component, read_model_index
+from omnistage.diffusion.components import load_component
+from omnistage.layers.checkpoint import read_model_index
 from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from omnistage.diffusion.components import load_components
-from omnistage.diffusion.families.qwen_image import to_pixels
+from omnistage.diffusion.families.qwen_image_common import to_pixels
 from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import Qwen2_5OmniAudioEncoderConfig
 
 from omnistage.models.qwen2_5_omni.audio_features import num_audio_tokens
-from omnistage.models.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, require_complete
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
 

@@ -3,8 +3,8 @@ otherwise):
 
     encoder (audio + vision towers) -> thinker (AR) -> talker (AR) -> token2wav (vocoder)
 
-`Qwen2_5OmniPipeline` is an engine (add_request / step / abort_request, as LLMEngine), so
-Omni and AsyncOmni drive it the same way. Text deltas come from the thinker as it writes;
+`Qwen2_5OmniPipeline` is an engine (omnistage.engine_api), so Omni, AsyncOmni and the server
+drive it as any other. Text deltas come from the thinker as it writes;
 audio chunks from token2wav as soon as the talker has a chunk of codes.
 """
 
@@ -17,19 +17,18 @@ from pathlib import Path
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.graph import GraphPipeline, StageGraph
-from omnistage.llm.engine import load_tokenizer
+from omnistage.engine_api import EngineAbilities, OutputOptions
+from omnistage.graph_pipeline import GraphPipeline
+from omnistage.layers.checkpoint import load_tokenizer
 from omnistage.models.qwen2_5_omni.loader import load_speakers, talker_tokens
 from omnistage.models.qwen2_5_omni.messages import OmniRequest
 from omnistage.models.qwen2_5_omni.processor import OmniProcessor, ProcessedPrompt
-from omnistage.models.qwen2_5_omni.recipe import (OmniSettings, build_router, build_stage,
-                                                  generation_defaults, speaks, stage_names,
-                                                  thinker_config)
+from omnistage.models.qwen2_5_omni.recipe import (RECIPE, OmniSettings, generation_defaults,
+                                                  speaks, thinker_config)
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
-from omnistage.models.loader import read_config
+from omnistage.layers.checkpoint import read_config
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.remote import wait_all_started
 
 log = logging.getLogger(__name__)
 
@@ -48,74 +47,70 @@ def default_talker_params(model_dir: Path, codec_bos: int) -> SamplingParams:
 
 
 class Qwen2_5OmniPipeline(GraphPipeline):
+    recipe = RECIPE
+
     def __init__(self, config: EngineConfig, settings: OmniSettings | None = None,
                  placement=None):
-        """`placement(name, build) -> Stage` decides where each stage runs (default: here;
-        see omnistage.deploy); `build()` builds the stage in the calling process."""
-        self.config, self.settings = config, settings or OmniSettings()
+        super().__init__(config, settings, placement)
         model_dir = Path(config.model)
-        self.audio_output = speaks(model_dir, self.settings)
+        audio_output = speaks(model_dir, self.settings)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         raw = read_config(model_dir)
         tokens = talker_tokens(raw)
         self.codec_bos = tokens.codec_bos
-        self.talker_defaults = default_talker_params(model_dir, tokens.codec_bos)
-        self.speakers = sorted(load_speakers(model_dir)) if self.audio_output else []
-
-        def here(name: str, build):
-            return build()
-
-        place = placement or here
-        stages = [place(name, lambda name=name: build_stage(name, config, self.settings))
-                  for name in stage_names(model_dir, self.settings)]
-        wait_all_started(stages)
-        self.graph = StageGraph(stages, build_router(config, self.settings))
+        self.speakers = sorted(load_speakers(model_dir)) if audio_output else []
         pre_file = model_dir / "preprocessor_config.json"
         pre = json.loads(pre_file.read_text()) if pre_file.is_file() else {}
         self.processor = OmniProcessor(self.tokenizer,
                                        OmniLayout.from_thinker_config(thinker_config(model_dir)),
                                        VisionPreprocessConfig.from_dict(pre), self.settings.limits)
-        self.sample_rate = 24000
         # The token that ends the assistant's turn (ChatML <|im_end|>): a forced answer ends with it.
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.end_of_turn_id = end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id
-        self._thinker_positions = raw["thinker_config"]["text_config"].get(
-            "max_position_embeddings", 32768)
+        positions = raw["thinker_config"]["text_config"].get("max_position_embeddings", 32768)
+        self.abilities = EngineAbilities(
+            audio_output=audio_output, audio_input=True,
+            max_model_len=config.max_model_len or positions,   # the thinker's context window
+            sample_rate=24000,
+            end_of_turn_id=end if isinstance(end, int) and end >= 0 else self.tokenizer.eos_token_id,
+            talker_defaults=default_talker_params(model_dir, tokens.codec_bos),
+            speakers=tuple(self.speakers),
+            max_audio_seconds=self.settings.limits.max_audio_seconds)
         log.info("Qwen2.5-Omni ready: stages %s, speakers %s", list(self.graph.stages), self.speakers)
 
     # ---- requests -------------------------------------------------------------------------
-    def prepare(self, prompt, want_audio: bool, use_audio_in_video: bool = False) -> ProcessedPrompt:
+    def prepare(self, prompt, opts: OutputOptions) -> ProcessedPrompt:
         """CPU preprocessing (decode media, features, ids, positions); thread-safe."""
-        if want_audio and not self.audio_output:
-            raise InvalidRequestError("this model was loaded without audio output; ask for text only",
-                                      param="modalities")
-        return self.processor(prompt, want_audio, use_audio_in_video)
+        return self.processor(prompt, opts.wants_audio(self.abilities), opts.use_audio_in_video)
 
-    def add_request(self, request_id: str, pp: ProcessedPrompt, params: SamplingParams,
-                    talker_params: SamplingParams | None = None, want_audio: bool = False,
-                    speaker: str | None = None) -> None:
+    def default_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def resolve(self, pp: ProcessedPrompt, params: SamplingParams) -> SamplingParams:
         if params.n != 1:
             raise InvalidRequestError("n must be 1 for this model", param="n")
-        speaker = speaker or (self.speakers[0] if self.speakers else "")
+        return params
+
+    def add_request(self, request_id: str, pp: ProcessedPrompt, params: SamplingParams,
+                    opts: OutputOptions, return_hidden_states: bool = False) -> None:
+        if return_hidden_states:
+            raise InvalidRequestError("return_hidden_states is not offered for omni models",
+                                      param="return_hidden_states")
+        params = self.resolve(pp, params)
+        want_audio = opts.wants_audio(self.abilities)
+        speaker = opts.voice or (self.speakers[0] if self.speakers else "")
         if want_audio and speaker not in self.speakers:
             raise InvalidRequestError(f"unknown voice {speaker!r}; choose one of {self.speakers}",
                                       param="voice")
+        talker_params = None
         if want_audio:
-            talker_params = talker_params or self.talker_defaults
+            talker_params = opts.talker_params or self.abilities.talker_defaults
             if self.codec_bos not in talker_params.suppress_token_ids:
                 talker_params = replace(talker_params, suppress_token_ids=[
                     *talker_params.suppress_token_ids, self.codec_bos])
         req = OmniRequest(request_id, pp.token_ids, pp.positions.positions, pp.positions.delta,
                           pp.talker_positions.positions if want_audio else None,
-                          pp.talker_positions.delta, pp.media, params,
-                          talker_params if want_audio else None, speaker)
+                          pp.talker_positions.delta, pp.media, params, talker_params, speaker)
         self.graph.add_request(request_id, req)
-
-    # ---- the engine interface (the rest is GraphPipeline's) ---------------------------------
-    @property
-    def max_model_len(self) -> int:
-        """The thinker's context window (prompt + answer)."""
-        return self.config.max_model_len or self._thinker_positions
 
     def num_waiting_requests(self) -> int:
         """Requests beyond the thinker's seats (the server's queue bound reads it)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from omnistage.entrypoints.prompts import check_messages
+from omnistage.chat_messages import check_messages
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_audio, decode_base64, decode_pcm16
 from omnistage.media.image import decode_image, parse_data_url

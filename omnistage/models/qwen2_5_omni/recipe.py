@@ -15,10 +15,11 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
 from omnistage.kernels.linear import native_linear_kernel
-from omnistage.llm.engine import LLMEngine, eos_token_ids, load_tokenizer
-from omnistage.models.layers import use_native_linears
-from omnistage.models.onednn import onednn_linear_available
-from omnistage.models.loader import iter_weights, read_config, safetensors_files
+from omnistage.llm.engine import LLMEngine
+from omnistage.layers.checkpoint import eos_token_ids, load_tokenizer
+from omnistage.layers.linear import use_native_linears
+from omnistage.layers.onednn import onednn_linear_available
+from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
 from omnistage.models.qwen2_5_omni.loader import (bridge_constants, load_lm, load_speakers,
@@ -27,11 +28,12 @@ from omnistage.models.qwen2_5_omni.processor import MediaLimits
 from omnistage.models.qwen2_5_omni.router import OmniRouter
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
-from omnistage.models.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.stages.ar import ARStage
 from omnistage.stages.base import Stage
+from omnistage.stages.recipe import Recipe
 from omnistage.stages.encoder import EncoderStage
-from omnistage.stages.vocoder import VocoderSettings, VocoderStage
+from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings, VocoderStage
 
 @dataclass
 class OmniSettings:
@@ -121,16 +123,6 @@ def generation_defaults(model_dir: str | Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-# What a stage process needs to know of this recipe (see omnistage.runtime.stage_worker).
-SETTINGS = OmniSettings
-
-
-def build_pipeline(config: EngineConfig, settings: OmniSettings, placement=None):
-    from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
-
-    return Qwen2_5OmniPipeline(config, settings, placement)
-
-
 def _message_types() -> list[type]:
     from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, EncodedMedia,
                                                         EncodeJob)
@@ -139,4 +131,4 @@ def _message_types() -> list[type]:
     return [ARRequest, ARFeed, ARStepOutput, EncodeJob, EncodedMedia, CodecChunk, AudioChunk]
 
 
-MESSAGE_TYPES = _message_types()
+RECIPE = Recipe(__name__, OmniSettings, stage_names, build_stage, build_router, _message_types)

@@ -29,7 +29,7 @@ from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, Enco
 from omnistage.models.qwen2_5_omni.talker import TalkerTokens
 from omnistage.outputs import Delta
 from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
-from omnistage.stages.base import StageOutput
+from omnistage.stage_messages import StageOutput
 
 
 @dataclass

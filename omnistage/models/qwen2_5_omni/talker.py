@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from omnistage.llm.attention import AttentionMetadata, KVCache
-from omnistage.models.layers import TransposedLinear
+from omnistage.layers.attention import AttentionMetadata, KVCache
+from omnistage.layers.linear import TransposedLinear
 from omnistage.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from omnistage.errors import InvalidRequestError
 from omnistage.models.qwen2_5_omni.bigvgan import BigVGAN
 from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout, DiTModel, SpeakerTerms
-from omnistage.models.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, require_complete
 
 # Guidance below this is treated as off (no unconditional row), as the reference does.
 MIN_GUIDANCE = 1e-5

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.onednn import onednn_linear_available, pack_weight, packed_linear
+from omnistage.layers.onednn import onednn_linear_available, pack_weight, packed_linear
 
 
 class DiTLinear(nn.Linear):

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5OmniVisionEncoderConfig
 
-from omnistage.models.layers import RMSNorm, RotaryEmbedding
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

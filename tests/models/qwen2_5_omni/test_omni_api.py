@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omnistage import AsyncOmni, Omni, SamplingParams
-from omnistage.entrypoints.engines import OutputOptions
+from omnistage.engine_api import OutputOptions
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_forced_answer_is_spoken(omni_dir):
     tokens, and the talker speaks from its hidden states over them."""
     omni = Omni(omni_dir, linear_kernel="matmul")
     tok = omni.tokenizer
-    forced = tok.encode("the sea and the sky", add_special_tokens=False) + [omni.engine.end_of_turn_id]
+    forced = tok.encode("the sea and the sky", add_special_tokens=False) + [omni.engine.abilities.end_of_turn_id]
     [out] = omni.generate([{"role": "user", "content": "Read this aloud."}],
                           SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
                           output=OutputOptions(talker_params=_talker(4)))
@@ -140,7 +140,7 @@ def test_forced_answer_is_spoken(omni_dir):
 
 def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir):
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
-    from omnistage.stages.vocoder import VocoderSettings
+    from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
     prompt, params = [{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=6)
     opts = OutputOptions(talker_params=_talker(3))

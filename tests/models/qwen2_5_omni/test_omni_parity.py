@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from omnistage.config import EngineConfig
+from omnistage.engine_api import OutputOptions
 from omnistage.models.qwen2_5_omni.pipeline import Qwen2_5OmniPipeline
 from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.vocoder import VocoderSettings
+from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
 N_TEXT, N_CODES, MIN_CODES = 12, 60, 40
 WHOLE = StreamConfig(chunk_size=4096, look_ahead=0, look_back=0)   # one window: non-streamed
@@ -45,8 +46,12 @@ def pipeline(omni_dir, stream: StreamConfig | None = WHOLE, deploy=None) -> Qwen
 
     cfg = EngineConfig(model=omni_dir, max_model_len=2048, num_kv_blocks=512, linear_kernel="matmul")
     settings = recipe.OmniSettings(vocoder=VocoderSettings(steps=10, stream=stream))
-    placement = deploy.placement(recipe.__name__, cfg, settings) if deploy is not None else None
+    placement = deploy.placement(recipe.RECIPE.module, cfg, settings) if deploy is not None else None
     return Qwen2_5OmniPipeline(cfg, settings, placement)
+
+
+def _opts(want_audio: bool, **kw) -> OutputOptions:
+    return OutputOptions(modalities=["text", "audio"] if want_audio else ["text"], **kw)
 
 
 def run(pipe, pp, want_audio: bool, noise=None):
@@ -55,7 +60,7 @@ def run(pipe, pp, want_audio: bool, noise=None):
     talker = SamplingParams(temperature=0, max_tokens=N_CODES, min_tokens=MIN_CODES,
                             repetition_penalty=1.05)
     pipe.add_request("r", pp, SamplingParams(temperature=0, max_tokens=N_TEXT),
-                     talker if want_audio else None, want_audio=want_audio, speaker="Chelsie")
+                     _opts(want_audio, talker_params=talker, voice="Chelsie"))
     tokens, audio, codes = [], [], []
     if want_audio:   # record the codec chunks the talker hands token2wav
         vocoder = pipe.graph.stages["token2wav"]
@@ -93,7 +98,7 @@ def hf_generate(hf, pp, want_audio: bool, extra=None, seed=0):
 
 def test_text_audio_out_parity(omni_dir, hf_model, local_only):
     pipe = pipeline(omni_dir)
-    pp = pipe.prepare([{"role": "user", "content": "Tell me about the sea and the sky."}], want_audio=True)
+    pp = pipe.prepare([{"role": "user", "content": "Tell me about the sea and the sky."}], _opts(True))
     hf_tokens, hf_wav, hf_codes = hf_generate(hf_model, pp, True, seed=7)
     repeats = hf_model.config.token2wav_config.dit_config.repeats
     torch.manual_seed(7)   # the noise transformers' token2wav drew
@@ -108,7 +113,7 @@ def test_text_audio_out_parity(omni_dir, hf_model, local_only):
 def test_streamed_waveform_gap(omni_dir, local_only):
     """Default streaming (the DiT's block reach) vs one window, same noise: documented gap."""
     whole, streamed = pipeline(omni_dir), pipeline(omni_dir, stream=None)
-    pp = whole.prepare([{"role": "user", "content": "Say something long."}], want_audio=True)
+    pp = whole.prepare([{"role": "user", "content": "Say something long."}], _opts(True))
     gen = torch.Generator().manual_seed(3)
     noise = torch.randn(1, 2 * N_CODES, 80, generator=gen)
     _, a, _ = run(whole, pp, True, noise=noise)
@@ -186,7 +191,7 @@ def test_media_in_thinker_parity(omni_dir, hf_model, kind, omni_deploy):
             "image": {"type": "image", "image": _png_bytes(60, 44)},
             "video": {"type": "video", "video": _mp4_bytes()}}[kind]
     pp = pipe.prepare([{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}],
-                      want_audio=False)
+                      _opts(False))
     hf_tokens, _, _ = hf_generate(hf_model, pp, False, extra=_hf_media_kwargs(pp))
     try:
         tokens, _, _ = run(pipe, pp, False)

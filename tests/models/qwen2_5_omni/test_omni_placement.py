@@ -12,7 +12,7 @@ import pytest
 
 from omnistage import Omni, SamplingParams
 from omnistage.deploy import DeployConfig
-from omnistage.entrypoints.engines import OutputOptions
+from omnistage.engine_api import OutputOptions
 from omnistage.errors import StageFailedError
 
 STAGES = ["encoder", "thinker", "talker", "token2wav"]
@@ -123,9 +123,9 @@ def test_replicas_share_requests_and_give_the_same_output(omni_dir, local_out):
     deploy = DeployConfig({"token2wav": StagePlacement("process", num_threads=1, replicas=2)})
     with Omni(omni_dir, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
         pipe, stage = omni.engine, omni.engine.graph.stages["token2wav"]
-        pp = pipe.prepare(PROMPT, want_audio=True)
+        pp = pipe.prepare(PROMPT, OPTS)
         for rid in ("a", "b"):
-            pipe.add_request(rid, pp, PARAMS, OPTS.talker_params, want_audio=True)
+            pipe.add_request(rid, pp, PARAMS, OPTS)
         audio, spread = {"a": [], "b": []}, False
         while pipe.has_unfinished_requests():
             for d in pipe.step():

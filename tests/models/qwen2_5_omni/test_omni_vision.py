@@ -25,7 +25,7 @@ from omnistage.models.qwen2_5_omni.vision_preprocess import (OPENAI_CLIP_STD,
                                                              VisionPreprocessConfig,
                                                              num_image_tokens, preprocess_image,
                                                              preprocess_video, smart_resize)
-from omnistage.models.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, require_complete
 
 PREFIX = "thinker.visual."
 SMALL = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 64)     # keeps test images small

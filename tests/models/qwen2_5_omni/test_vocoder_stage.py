@@ -1,4 +1,4 @@
-"""The vocoder stage's scheduling (stages/vocoder.py): first chunks before later ones, later
+"""The vocoder stage's scheduling (models/qwen2_5_omni/vocoder_stage.py): first chunks before later ones, later
 chunks held while a newcomer gathers its first codes, long solves advanced in pieces with the
 same result, aborts in the middle of a solve. A small random token2wav: what is under test is
 the stage's order of work, its outputs against a one-shot decode of the same stream."""
@@ -14,7 +14,7 @@ from transformers import Qwen2_5OmniToken2WavConfig
 from omnistage.models.qwen2_5_omni.messages import CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig
-from omnistage.stages.vocoder import VocoderSettings, VocoderStage
+from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings, VocoderStage
 
 MEL, CODES = 16, 64
 

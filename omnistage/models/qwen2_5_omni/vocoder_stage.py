@@ -32,7 +32,7 @@ from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
                                                             Token2WavStream, solve_key, step_streams)
-from omnistage.stages.base import StageOutput
+from omnistage.stage_messages import StageOutput
 
 
 @dataclass

@@ -1,14 +1,18 @@
-"""Fill a plain `nn.Module` (encoders, vocoders: anything not served by the AR engine) from
-checkpoint tensors whose names match the module's own state-dict names after a prefix."""
+"""Fill modules from checkpoint tensors: an engine model through its `load_weights` name map
+(`fill_model`), or a plain `nn.Module` (encoders, vocoders) whose state-dict names match the
+checkpoint's after a prefix (`load_prefixed`)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from omnistage.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 def load_prefixed(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -45,3 +49,25 @@ def require_complete(module: nn.Module, loaded: set[str], where: str) -> None:
     if missing:
         raise CheckpointError(f"{where} lacks weights for {len(missing)} tensors, "
                               f"e.g. {sorted(missing)[:5]}; the checkpoint is incomplete")
+
+
+def fill_model(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], where: str,
+               warn_unused: bool = False) -> None:
+    """Feed checkpoint tensors to an engine model's load_weights; check it got all it needs.
+    Tensors the model does not use (KeyError) are skipped: logged when `warn_unused`."""
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in weights:
+            try:
+                loaded |= model.load_weights([(name, tensor)])
+            except KeyError:
+                if warn_unused:
+                    log.warning("ignoring checkpoint tensor %s (not used by %s)", name,
+                                type(model).__name__)
+            except ValueError as e:
+                raise CheckpointError(f"checkpoint tensor {name}: {e}") from e
+    missing = model.expected_loads() - loaded
+    if missing:
+        raise CheckpointError(f"{where} lacks weights for {len(missing)} parameters of "
+                              f"{type(model).__name__}, e.g. {sorted(missing)[:5]}; the checkpoint "
+                              f"is incomplete")

@@ -10,7 +10,6 @@ one such last output and keeps its client_error/param across the boundary).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import traceback
 
@@ -19,16 +18,17 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.runtime.channel import Channel, PeerDeadError
-from omnistage.stages.base import StageFailure
+from omnistage.stages.recipe import load_recipe
+from omnistage.stage_messages import StageFailure
 
 log = logging.getLogger(__name__)
 
 
 class StageInit(msgspec.Struct):
-    recipe: str            # module with build_stage(name, config, settings), SETTINGS, MESSAGE_TYPES
+    recipe: str            # the module whose RECIPE builds the stage (stages/recipe.py)
     name: str
     config: EngineConfig
-    settings: bytes        # msgspec JSON of the recipe's SETTINGS dataclass
+    settings: bytes        # msgspec JSON of the recipe's settings dataclass
 
 
 class Ready(msgspec.Struct):
@@ -51,7 +51,7 @@ CONTROL_TYPES = [StageInit, Ready, InitFailed, Abort, Final, StageFailure]
 
 
 def message_types(recipe: str) -> list[type]:
-    return CONTROL_TYPES + list(importlib.import_module(recipe).MESSAGE_TYPES)
+    return CONTROL_TYPES + list(load_recipe(recipe).message_types())
 
 
 def worker_main(spec: bytes, recipe: str) -> None:
@@ -59,10 +59,10 @@ def worker_main(spec: bytes, recipe: str) -> None:
     channel = Channel.connect(spec, message_types(recipe))
     try:
         init = channel.recv()
-        module = importlib.import_module(init.recipe)
+        recipe = load_recipe(init.recipe)
         try:
-            settings = msgspec.json.decode(init.settings, type=module.SETTINGS)
-            stage = module.build_stage(init.name, init.config, settings)
+            settings = msgspec.json.decode(init.settings, type=recipe.settings_type)
+            stage = recipe.build_stage(init.name, init.config, settings)
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
             channel.send(InitFailed(f"building stage {init.name!r} failed: {e!r}\n{traceback.format_exc()}"))
             return

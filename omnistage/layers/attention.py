@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels.paged_attention import PagedAttentionKernel
-from omnistage.models.layers import RotaryEmbedding
+from omnistage.layers.rotary import RotaryEmbedding
 
 
 @dataclass
