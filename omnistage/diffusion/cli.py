@@ -55,7 +55,7 @@ def run_generate(args: argparse.Namespace, omni) -> int:
             with Image.open(args.mask) as m:
                 prompt["mask"] = np.asarray(m.convert("RGB"))
     out = omni.generate(prompt, params, use_tqdm=True)[0]
-    video = omni.engine.is_video
+    video = omni.engine.abilities.generates == "video"
     target = Path(args.out or ("out.mp4" if video else "out.png"))
     count = len(out.pixels) if video else len(out.images)   # layered models: every layer
     paths = [target] if count == 1 else [

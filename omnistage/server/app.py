@@ -56,7 +56,40 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     app = FastAPI(title="omnistage", version=__version__)
     app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
     stats = ServerMetrics()
-    created = int(time.time())
+    _add_middleware(app, engine, api_key, limits)
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, stats, model_name)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
+                                      param="model")
+
+    def check_request(name: str, max_tokens: int | None) -> None:
+        can = engine.abilities
+        if can.makes_pixels:
+            where = "POST /v1/videos" if can.generates == "video" else "/v1/images/generations"
+            raise InvalidRequestError(f"this model generates images or video, not text; use {where}",
+                                      param="model")
+        if max_tokens is not None and max_tokens >= can.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens {max_tokens} does not fit the context window of "
+                f"{can.max_model_len} tokens", param="max_tokens")
+        check_model(name)
+
+    _add_text_routes(app, engine, stats, model_name, limits, check_request)
+    add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
+    # WebSockets bypass the HTTP middleware: the route checks the key itself.
+    add_realtime_route(app, engine, model_name, api_key, limits.max_queued_requests)
+    add_image_routes(app, engine, stats, model_name, check_model)
+    app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
+                                            limits.max_video_jobs)
+    return app
+
+
+def _add_middleware(app: FastAPI, engine: AsyncOmni, api_key: str | None, limits: ServerLimits) -> None:
+    """Body size bound, CORS, and one HTTP middleware for the API key (every route), the
+    request id, draining (503), the queue bound (429) and last-resort 500s."""
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     if limits.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
@@ -87,6 +120,10 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
         response.headers["X-Request-Id"] = rid
         return response
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Client mistakes as OpenAI's error JSON (400 naming the field where one is at fault)."""
+
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError):
         return error_response(400, str(exc), param=exc.param)
@@ -108,22 +145,9 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
                       "uploads, multipart/form-data) without excessive nesting")
         return error_response(exc.status_code, detail)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise InvalidRequestError(f"model {name!r} is not served here; use {model_name!r}",
-                                      param="model")
 
-    def check_request(name: str, max_tokens: int | None) -> None:
-        can = engine.abilities
-        if can.makes_pixels:
-            where = "POST /v1/videos" if can.generates == "video" else "/v1/images/generations"
-            raise InvalidRequestError(f"this model generates images or video, not text; use {where}",
-                                      param="model")
-        if max_tokens is not None and max_tokens >= can.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens {max_tokens} does not fit the context window of "
-                f"{can.max_model_len} tokens", param="max_tokens")
-        check_model(name)
+def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, model_name: str) -> None:
+    created = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -147,6 +171,9 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "omnistage"}]}
 
+
+def _add_text_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, model_name: str,
+                     limits: ServerLimits, check_request) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         params = body.to_sampling_params()
@@ -156,21 +183,12 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
         return await _respond(engine, stats, request, messages, params, body.stream,
                               body.stream_options, model_name, chat=True, output=speech)
 
-    add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
-    # WebSockets bypass the HTTP middleware above: the route checks the key itself.
-    add_realtime_route(app, engine, model_name, api_key, limits.max_queued_requests)
-    add_image_routes(app, engine, stats, model_name, check_model)
-    app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
-                                            limits.max_video_jobs)
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_request(body.model, body.max_tokens)
         prompt = body.prompt if isinstance(body.prompt, str) else {"prompt_token_ids": body.prompt}
         return await _respond(engine, stats, request, prompt, body.to_sampling_params(), body.stream,
                               body.stream_options, model_name, chat=False)
-
-    return app
 
 
 async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, prompt, params,

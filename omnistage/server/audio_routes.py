@@ -39,46 +39,10 @@ class SpeechBody(BaseModel):
 
 
 def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) -> None:
-    def speaking_engine():
-        if not engine.abilities.audio_output:
-            raise InvalidRequestError("this model does not produce speech", param="model")
-        return engine.abilities
-
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody, request: Request):
         check_model(body.model)
-        can = speaking_engine()
-        if body.stream_format is not None and body.speed != 1.0:
-            raise InvalidRequestError("speed applies to whole files; drop it or stream_format",
-                                      param="speed")
-        text = (body.instructions.strip() + "\n\n" if body.instructions else "") + READ_ALOUD + body.input
-        # The thinker's answer is forced to be the input, verbatim, then its end-of-turn token:
-        # the talker speaks from the thinker's hidden states over exactly those tokens.
-        forced = engine.tokenizer.encode(body.input, add_special_tokens=False) + [can.end_of_turn_id]
-        if len(forced) >= can.max_model_len // 2:
-            raise InvalidRequestError("input is too long for this model's context window", param="input")
-        rid = f"speech-{request.state.request_id}"
-        deltas = engine.generate([{"role": "user", "content": text}],
-                                 SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
-                                 request_id=rid,
-                                 output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
-        first = await anext(deltas)     # request errors surface before any byte is sent
-        if body.stream_format == "sse":
-            return StreamingResponse(_speech_sse(first, deltas), media_type="text/event-stream")
-        if body.stream_format == "audio":
-            return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate),
-                                     media_type=content_type(body.response_format))
-        chunks, rate = [], can.sample_rate
-        async for d in chain(first, deltas):
-            if d.audio is not None:
-                chunks.append(d.audio)
-                rate = d.sample_rate
-        samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-        if body.speed != 1.0:
-            samples = change_speed(samples, rate, body.speed)
-        stats.audio_seconds += samples.size / rate
-        return Response(encode_audio(samples, rate, body.response_format),
-                        media_type=content_type(body.response_format))
+        return await _speech(engine, stats, body, f"speech-{request.state.request_id}")
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request, file: UploadFile = File(...), model: str = Form(...),
@@ -97,30 +61,71 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
             raise InvalidRequestError("file is empty", param="file")
         ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
             (f" Context: {prompt}" if prompt else "")
-        # decoded here (off the event loop), so the reply knows the audio's duration
-        audio = await asyncio.to_thread(decode_audio, data, param="file",
-                                        max_seconds=engine.abilities.max_audio_seconds)
-        messages = [{"role": "user", "content": [{"type": "audio", "audio": audio.samples},
-                                                 {"type": "text", "text": ask}]}]
-        t0 = time.monotonic()
-        text, duration = "", round(audio.duration, 3)
-        try:
-            async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
-                                           request_id=f"transcribe-{request.state.request_id}",
-                                           output=OutputOptions(modalities=["text"])):
-                text += d.text
-        except InvalidRequestError as e:
-            if e.param == "messages[0].content":    # the uploaded file failed to decode
-                raise InvalidRequestError(str(e).replace("messages[0].content", "file"), param="file") from e
-            raise
-        text = text.strip()
-        if response_format == "text":
-            return PlainTextResponse(text)
-        if response_format == "verbose_json":
-            return JSONResponse({"task": "transcribe", "language": language or "unknown",
-                                 "duration": duration, "text": text,
-                                 "processing_seconds": round(time.monotonic() - t0, 3)})
-        return JSONResponse({"text": text})
+        return await _transcribe(engine, data, ask, temperature, language, response_format,
+                                 f"transcribe-{request.state.request_id}")
+
+
+async def _speech(engine, stats, body: SpeechBody, rid: str):
+    can = engine.abilities
+    if not can.audio_output:
+        raise InvalidRequestError("this model does not produce speech", param="model")
+    if body.stream_format is not None and body.speed != 1.0:
+        raise InvalidRequestError("speed applies to whole files; drop it or stream_format",
+                                  param="speed")
+    text = (body.instructions.strip() + "\n\n" if body.instructions else "") + READ_ALOUD + body.input
+    # The thinker's answer is forced to be the input, verbatim, then its end-of-turn token:
+    # the talker speaks from the thinker's hidden states over exactly those tokens.
+    forced = engine.tokenizer.encode(body.input, add_special_tokens=False) + [can.end_of_turn_id]
+    if len(forced) >= can.max_model_len // 2:
+        raise InvalidRequestError("input is too long for this model's context window", param="input")
+    deltas = engine.generate([{"role": "user", "content": text}],
+                             SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
+                             request_id=rid,
+                             output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
+    first = await anext(deltas)     # request errors surface before any byte is sent
+    if body.stream_format == "sse":
+        return StreamingResponse(_speech_sse(first, deltas), media_type="text/event-stream")
+    if body.stream_format == "audio":
+        return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate),
+                                 media_type=content_type(body.response_format))
+    chunks, rate = [], can.sample_rate
+    async for d in chain(first, deltas):
+        if d.audio is not None:
+            chunks.append(d.audio)
+            rate = d.sample_rate
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    if body.speed != 1.0:
+        samples = change_speed(samples, rate, body.speed)
+    stats.audio_seconds += samples.size / rate
+    return Response(encode_audio(samples, rate, body.response_format),
+                    media_type=content_type(body.response_format))
+
+
+async def _transcribe(engine, data: bytes, ask: str, temperature: float, language: str | None,
+                      response_format: str, rid: str):
+    # decoded here (off the event loop), so the reply knows the audio's duration
+    audio = await asyncio.to_thread(decode_audio, data, param="file",
+                                    max_seconds=engine.abilities.max_audio_seconds)
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": audio.samples},
+                                             {"type": "text", "text": ask}]}]
+    t0 = time.monotonic()
+    text, duration = "", round(audio.duration, 3)
+    try:
+        async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
+                                       request_id=rid, output=OutputOptions(modalities=["text"])):
+            text += d.text
+    except InvalidRequestError as e:
+        if e.param == "messages[0].content":    # the uploaded file failed to decode
+            raise InvalidRequestError(str(e).replace("messages[0].content", "file"), param="file") from e
+        raise
+    text = text.strip()
+    if response_format == "text":
+        return PlainTextResponse(text)
+    if response_format == "verbose_json":
+        return JSONResponse({"task": "transcribe", "language": language or "unknown",
+                             "duration": duration, "text": text,
+                             "processing_seconds": round(time.monotonic() - t0, 3)})
+    return JSONResponse({"text": text})
 
 
 async def _speech_sse(first, deltas):

@@ -47,31 +47,12 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
         if body.model is not None:
             check_model(body.model)
         require_diffusion(engine, video=True)
-        params = body.params(engine.abilities.max_frames)
-        prompt = {"prompt": body.prompt, "image": [reference]} if reference is not None else body.prompt
-        try:
-            prepared = await engine.prepare(prompt)       # decodes the input image
-            resolved = engine.resolve(prepared, params)   # defaults, limits, seed
-        except InvalidRequestError as e:   # named as this API names the field (input_reference)
-            raise InvalidRequestError(str(e), param=api_param(e.param)) from None
-        seconds = (f"{body.duration():g}" if body.seconds is not None
-                   else f"{(resolved.num_frames - 1) / resolved.fps:g}")
-        decoded = {"prompt": prepared.text, "image": prepared.images} if prepared.images else prepared.text
-        return jobs.start(model_name, decoded, resolved, seconds).to_json()
+        return await _start(engine, jobs, model_name, body, reference)
 
     @app.get("/v1/videos")
     async def list_videos(limit: int = Query(20, ge=1, le=100),
                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
-        kept = jobs.list()
-        if order == "desc":
-            kept.reverse()
-        if after is not None:
-            ids = [j.id for j in kept]
-            kept = kept[ids.index(after) + 1:] if after in ids else []
-        page = kept[:limit]
-        return {"object": "list", "data": [j.to_json() for j in page],
-                "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
-                "has_more": len(kept) > limit}
+        return _page(jobs.list(), limit, order, after)
 
     @app.get("/v1/videos/{video_id}")
     async def retrieve(video_id: str):
@@ -103,6 +84,35 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     return jobs
+
+
+async def _start(engine: AsyncOmni, jobs: VideoJobs, model_name: str, body: VideoRequest,
+                 reference: bytes | None) -> dict:
+    """Check and resolve the request (the input image decoded), then start its job."""
+    params = body.params(engine.abilities.max_frames)
+    prompt = {"prompt": body.prompt, "image": [reference]} if reference is not None else body.prompt
+    try:
+        prepared = await engine.prepare(prompt)       # decodes the input image
+        resolved = engine.resolve(prepared, params)   # defaults, limits, seed
+    except InvalidRequestError as e:   # named as this API names the field (input_reference)
+        raise InvalidRequestError(str(e), param=api_param(e.param)) from None
+    seconds = (f"{body.duration():g}" if body.seconds is not None
+               else f"{(resolved.num_frames - 1) / resolved.fps:g}")
+    decoded = {"prompt": prepared.text, "image": prepared.images} if prepared.images else prepared.text
+    return jobs.start(model_name, decoded, resolved, seconds).to_json()
+
+
+def _page(kept: list[VideoJob], limit: int, order: str, after: str | None) -> dict:
+    """One page of the job list, newest first unless `order` is "asc", after job `after`."""
+    if order == "desc":
+        kept.reverse()
+    if after is not None:
+        ids = [j.id for j in kept]
+        kept = kept[ids.index(after) + 1:] if after in ids else []
+    page = kept[:limit]
+    return {"object": "list", "data": [j.to_json() for j in page],
+            "first_id": page[0].id if page else None, "last_id": page[-1].id if page else None,
+            "has_more": len(kept) > limit}
 
 
 async def _read_body(request: Request) -> tuple[dict, bytes | None]:

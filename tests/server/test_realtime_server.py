@@ -281,9 +281,10 @@ def test_image_models_refuse_the_handshake():
 
     from starlette.testclient import TestClient, WebSocketDenialResponse
 
+    from omnistage.engine_api import EngineAbilities
     from omnistage.server.app import build_app
 
-    engine = SimpleNamespace(engine=SimpleNamespace(pipeline_class=object, is_video=False))
+    engine = SimpleNamespace(abilities=EngineAbilities(generates="image"))
     with pytest.raises(WebSocketDenialResponse) as e, \
             TestClient(build_app(engine, "m")).websocket_connect("/v1/realtime?model=m"):
         pass
