@@ -173,7 +173,7 @@ def _generate_run(args: argparse.Namespace) -> int:
 
     model = resolve_model(args.model)
     llm = Omni(model, **engine_options(args), **model_settings(args, model))
-    if getattr(llm.engine, "pipeline_class", None):      # an image / video model
+    if llm.engine.abilities.makes_pixels:      # an image / video model
         from omnistage.diffusion.cli import run_generate
 
         with llm:

@@ -138,9 +138,8 @@ class StageGraph:
         return "; ".join(dead) if dead else None
 
     def metrics(self) -> list[tuple[str, str, str, float]]:
-        """Per-stage gauges: requests held, and each local AR stage's KV pool."""
-        from omnistage.stages.ar import ARStage
-
+        """Per-stage gauges: requests held, last batch, and each stage's own (a local AR
+        stage's KV pool, the diffusion stage's jobs)."""
         out = []
         for name, stage in self.stages.items():
             out.append((f'omnistage_stage_requests{{stage="{name}"}}', "gauge",
@@ -148,10 +147,7 @@ class StageGraph:
                         stage.num_requests()))
             out.append((f'omnistage_stage_batch_size{{stage="{name}"}}', "gauge",
                         "requests served by a stage's last step", self.last_batch[name]))
-            if isinstance(stage, ARStage):
-                out += stage.engine.metrics(f'stage="{name}"')
-            elif hasattr(stage, "metrics"):       # stage kinds with their own gauges (diffusion)
-                out += stage.metrics()
+            out += stage.metrics()
         return out
 
     def close(self) -> None:

@@ -60,15 +60,23 @@ class DenoiseJob:
 
 
 class DiffusionFamily(Protocol):
-    """The methods below are required. A family may also define `after_step(job) -> None`,
-    which the stage calls after every scheduler step of every job it steps (right after
-    `job.latents = job.scheduler.step(...)`, with job.step not yet incremented): per-job
-    post-processing of the stepped latents (Qwen-Image inpainting blends the re-noised input
-    image back into the region the mask keeps). It is left out of the protocol's methods so
-    that families without it stay conforming and cost nothing."""
+    """A family subclasses DiffusionFamily: it defines `name`, `is_video` and the numbered
+    methods, and inherits the defaults of the optional abilities below (the pipeline reads
+    them before admitting a request; none is probed)."""
 
     name: str
     is_video: bool
+    input_channels: int = 3             # 4: input images keep their alpha (Qwen-Image-Layered)
+    captions_blank_prompt: bool = False  # a blank prompt is allowed: the family captions the image
+    takes_strength: bool = False        # reads DiffusionParams.strength (image-to-image, inpainting)
+    supports_cache: bool = False        # step caches (diffusion/cache.py) apply
+    takes_layers: bool = False          # reads DiffusionParams.layers / resolution (layered models)
+
+    def after_step(self, job: DenoiseJob) -> None:
+        """Called after every scheduler step of every job the stage steps (right after
+        `job.latents = job.scheduler.step(...)`, job.step not yet incremented): per-job
+        post-processing of the stepped latents (Qwen-Image inpainting blends the re-noised
+        input image back into the region the mask keeps). Default: nothing."""
 
     def resolve(self, params: DiffusionParams, prompt) -> DiffusionParams:
         """Fill the model's defaults and check what only the model knows (size multiples,

@@ -59,7 +59,7 @@ class DiffusionPipeline(GraphPipeline):
         Family attributes read here: `input_channels` (default 3; 4 keeps an alpha channel:
         RGB inputs get an opaque one, as PIL's convert("RGBA")) and `captions_blank_prompt`
         (default False; True lets a blank prompt through: the family captions the image)."""
-        channels = getattr(self.family, "input_channels", 3)
+        channels = self.family.input_channels
         if isinstance(prompt, str):
             text, images, mask = prompt, [], None
         elif isinstance(prompt, dict):
@@ -75,7 +75,7 @@ class DiffusionPipeline(GraphPipeline):
         else:
             raise InvalidRequestError(f"an image prompt is a string or a dict, got {type(prompt).__name__}",
                                       param="prompt")
-        blank_ok = getattr(self.family, "captions_blank_prompt", False)
+        blank_ok = self.family.captions_blank_prompt
         if not isinstance(text, str) or not (text.strip() or blank_ok):
             raise InvalidRequestError("prompt must be a non-empty string", param="prompt")
         lim = self.settings.limits
@@ -123,19 +123,18 @@ class DiffusionPipeline(GraphPipeline):
             raise InvalidRequestError("image and video models take DiffusionParams, not "
                                       f"{type(params).__name__}", param="sampling_params")
         params.check(self.settings.limits)
-        if params.strength is not None and not (prompt.images and getattr(self.family, "takes_strength", False)):
+        if params.strength is not None and not (prompt.images and self.family.takes_strength):
             # strength says how much of an input image to redo: only image-to-image / inpainting
             # families read it; anywhere else it would be ignored silently
             raise InvalidRequestError("strength applies to image-to-image and inpainting (an input "
                                       "image to a Qwen-Image model): leave strength out", param="strength")
-        if params.cache not in (None, "none") and not getattr(self.family, "supports_cache", False):
+        if params.cache not in (None, "none") and not self.family.supports_cache:
             # (the server default cache, applied below, is skipped quietly for such models)
             raise InvalidRequestError("this model has no step cache; leave cache out or use 'none'",
                                       param="cache")
         if params.num_frames is not None and not self.family.is_video:
             raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
-        if (params.layers is not None or params.resolution is not None) and not getattr(
-                self.family, "takes_layers", False):
+        if (params.layers is not None or params.resolution is not None) and not self.family.takes_layers:
             raise InvalidRequestError("layers and resolution apply to layered (Qwen-Image-Layered) "
                                       "models only", param="layers" if params.layers is not None else "resolution")
         params = self.family.resolve(params, prompt)
@@ -144,7 +143,7 @@ class DiffusionPipeline(GraphPipeline):
         if params.seed is None:
             updates["seed"] = secrets.randbelow(2**63)
         if params.cache is None:
-            updates["cache"] = (self.settings.default_cache if getattr(self.family, "supports_cache", False)
+            updates["cache"] = (self.settings.default_cache if self.family.supports_cache
                                 else "none")
         return msgspec.structs.replace(params, **updates) if updates else params
 

@@ -22,6 +22,7 @@ import torch
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily
 from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class _Running:
     reported: int = -1             # last progress step sent
 
 
-class DiffusionStage:
+class DiffusionStage(Stage):
     def __init__(self, name: str, family: DiffusionFamily,
                  settings: DiffusionStageSettings = DiffusionStageSettings()):
         self.name, self.family, self.settings = name, family, settings
@@ -117,11 +118,9 @@ class DiffusionStage:
     def _denoise(self, batch: list[DenoiseJob]) -> None:
         t0 = time.perf_counter()
         preds = self.family.predict(batch)
-        after_step = getattr(self.family, "after_step", None)   # optional (DiffusionFamily)
         for job, pred in zip(batch, preds):
             job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
-            if after_step is not None:
-                after_step(job)
+            self.family.after_step(job)
             job.step += 1
             self._waited[id(job)] = self._clock
         self.timings["denoise"] += time.perf_counter() - t0

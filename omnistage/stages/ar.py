@@ -14,6 +14,7 @@ from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import EmbedFeed
 from omnistage.outputs import TokenLogprob
 from omnistage.sampling_params import SamplingParams
+from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
 
 
@@ -54,7 +55,7 @@ class ARStepOutput(msgspec.Struct):
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
-class ARStage:
+class ARStage(Stage):
     def __init__(self, name: str, engine: LLMEngine):
         self.name = name
         self.engine = engine
@@ -117,3 +118,6 @@ class ARStage:
 
     def close(self) -> None:
         """Nothing outside this process to release."""
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        return self.engine.metrics(f'stage="{self.name}"')     # its KV pool and queues

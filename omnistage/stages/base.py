@@ -1,6 +1,7 @@
 """The one protocol every stage kind implements (what stages emit: `omnistage.stage_messages`).
 
-A stage owns its batching: `add` queues work for a request, `step` advances everything it
+Stage kinds subclass `Stage` (so they inherit the defaults of its optional abilities). A
+stage owns its batching: `add` queues work for a request, `step` advances everything it
 can in one batched pass and returns what came out, `abort` drops a request and frees what it
 held. `has_work` says whether `step` would compute anything now (a stage waiting for input
 from upstream has none). Stages never import each other: the graph routes their outputs
@@ -36,3 +37,14 @@ class Stage(Protocol):
 
     def close(self) -> None:
         """Release the stage's resources (its process, for a remote stage)."""
+
+    # Optional abilities: stage kinds subclass Stage to inherit these defaults.
+    def wake_after(self) -> float | None:
+        """Seconds after which step() may have work again without new input (a stage that
+        holds work back, as the vocoder keeping later chunks for a newcomer's first audio);
+        None: only new input brings work."""
+        return None
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """The stage's own (name{labels}, kind, help, value) gauges for /metrics."""
+        return []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Protocol
 
+from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
 
 
@@ -22,7 +23,7 @@ class Encoders(Protocol):
         """One output message per job, in order (the model decides how it batches them)."""
 
 
-class EncoderStage:
+class EncoderStage(Stage):
     def __init__(self, name: str, encoders: Encoders, budget: int):
         self.name = name
         self.encoders = encoders

@@ -18,6 +18,7 @@ from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import ChannelConfig, PeerDeadError, spawn_child
 from omnistage.stages.worker import (Abort, Final, InitFailed, Ready, StageInit,
                                             message_types, worker_main)
+from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageFailure, StageOutput
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class _Target:
         worker_main(spec, self.recipe)
 
 
-class RemoteStage:
+class RemoteStage(Stage):
     def __init__(self, name: str, recipe: str, config: EngineConfig, settings,
                  start_timeout_s: float = 600.0, max_restarts: int = 3):
         self.name, self.recipe, self.config = name, recipe, config

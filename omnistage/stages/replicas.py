@@ -13,7 +13,7 @@ from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
 
 
-class ReplicatedStage:
+class ReplicatedStage(Stage):
     def __init__(self, name: str, replicas: list[Stage]):
         if not replicas:
             raise ValueError("a replicated stage needs at least one replica")

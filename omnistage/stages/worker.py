@@ -78,8 +78,7 @@ def _serve(channel: Channel, stage) -> None:
     while True:
         # Idle: wait for the next message, or until a stage that holds work back (the vocoder
         # keeping later chunks for a newcomer's first audio) says it may run again.
-        wake = getattr(stage, "wake_after", None)
-        msg = channel.recv(0 if stage.has_work() else (wake() if wake else None))
+        msg = channel.recv(0 if stage.has_work() else stage.wake_after())
         while msg is not None:             # apply everything queued before stepping
             if isinstance(msg, Abort):
                 stage.abort(msg.request_id)

@@ -21,7 +21,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image_common import pack, to_pixels, unpack
-from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
+from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -47,7 +47,7 @@ class PackedCond:
     renorm: bool = False                  # LongCat: rescale the guided prediction to the cond norm
 
 
-class OvisImageFamily:
+class OvisImageFamily(DiffusionFamily):
     name = "ovis_image"
     is_video = False
     default_steps = 50

@@ -22,7 +22,7 @@ from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.components import load_component, load_components
 from omnistage.diffusion.families.qwen_image_common import QwenCond, pack, pad_rows, to_pixels, unpack
 from omnistage.diffusion.families.qwen_image_inpaint import ImageToImage
-from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
+from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -37,7 +37,7 @@ TOKENIZER_MAX = 1024         # prompt tokens kept (before the drop)
 MAX_SEQUENCE_LENGTH = 512    # embeddings kept per prompt (diffusers' default)
 
 
-class QwenImageFamily:
+class QwenImageFamily(DiffusionFamily):
     name = "qwen_image"
     is_video = False
     default_steps = 50

@@ -34,7 +34,7 @@ from PIL import Image
 from omnistage.diffusion.cache import StepCache, cached_stack
 from omnistage.diffusion.components import load_component
 from omnistage.layers.checkpoint import read_model_index
-from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
+from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import seeded_noise
@@ -87,7 +87,7 @@ class WanJob(DenoiseJob):
         return self.experts[min(self.step, len(self.experts) - 1)]
 
 
-class WanFamily:
+class WanFamily(DiffusionFamily):
     """WanPipeline (text to video)."""
 
     name = "wan"

@@ -19,7 +19,7 @@ import torch
 
 from omnistage.diffusion.components import load_components
 from omnistage.diffusion.families.qwen_image_common import to_pixels
-from omnistage.diffusion.family import DenoiseJob, cfg_rows, check_size
+from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import job_scheduler, resolution_shift, seeded_noise
@@ -37,7 +37,7 @@ class ZImageCond:
     scale: float                          # guidance_scale
 
 
-class ZImageFamily:
+class ZImageFamily(DiffusionFamily):
     name = "z_image"
     is_video = False
     default_steps = 50

@@ -32,6 +32,7 @@ from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
                                                             Token2WavStream, solve_key, step_streams)
+from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
 
 
@@ -64,7 +65,7 @@ class _Pick:
         return not (self.flush or self.first or self.later or self.resume)
 
 
-class VocoderStage:
+class VocoderStage(Stage):
     def __init__(self, name: str, model: Token2Wav, speakers: dict, settings: VocoderSettings,
                  noise_for: Callable[[str], torch.Tensor | torch.Generator] | None = None):
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
