@@ -23,6 +23,7 @@ from omnistage.outputs import Delta
 from omnistage.runtime.codec import Codec
 from omnistage.stages.worker import message_types
 from omnistage.stage_messages import StageFailure, StageOutput
+from omnistage.stages.base import Stage
 from omnistage.stages.recipe import Recipe
 
 STAGE = "toy"
@@ -46,7 +47,7 @@ class Settings:
     pass
 
 
-class ToyStage:
+class ToyStage(Stage):
     """Serves a Job in one step; refuses or fails it as its action says."""
 
     def __init__(self, name: str):
