@@ -166,9 +166,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def _generate_run(args: argparse.Namespace) -> int:
     from omnistage import Omni, SamplingParams
-
     from omnistage.engine_api import OutputOptions
-
     from omnistage.entrypoints.model_source import resolve_model
 
     model = resolve_model(args.model)

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageFailure, StageOutput
+from omnistage.stages.base import Stage
 
 CLIENT = "client"     # the edge target that means "back to the caller"
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
 import numpy as np
+import torch
 from PIL import Image
 
 from omnistage.config import EngineConfig

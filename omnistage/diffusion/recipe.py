@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.layers.checkpoint import read_model_index
 from omnistage.diffusion.families import FAMILIES, family_class
 from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
 from omnistage.diffusion.params import DiffusionLimits, DiffusionParams
 from omnistage.diffusion.stage import DiffusionStage, DiffusionStageSettings
 from omnistage.errors import UnsupportedArchitectureError
 from omnistage.graph import CLIENT, Edge
+from omnistage.layers.checkpoint import read_model_index
 from omnistage.outputs import Delta
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.recipe import Recipe

@@ -22,8 +22,8 @@ import torch
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily
 from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageFailure, StageOutput
+from omnistage.stages.base import Stage
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
-
 import numpy as np
+import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine_api import OutputOptions

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from omnistage.kernels.linear import NativeLinearKernel
-from omnistage.kernels.linear import unsupported_reason as native_linear_unsupported
+from omnistage.kernels.linear import (NativeLinearKernel,
+                                      unsupported_reason as native_linear_unsupported)
 from omnistage.layers.onednn import pack_weight, packed_linear
 
 

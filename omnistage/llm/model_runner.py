@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.kernels.paged_attention import PagedAttentionKernel
-from omnistage.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, NativeBatches, PrefillSpan)
+from omnistage.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, NativeBatches,
+                                        PrefillSpan)
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence

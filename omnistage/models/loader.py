@@ -14,8 +14,8 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
-from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_weights, load_tokenizer,
-                                         read_config, safetensors_files)
+from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_weights,
+                                         load_tokenizer, read_config, safetensors_files)
 from omnistage.layers.weights import fill_model
 from omnistage.models import resolve_model_class
 

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.attention import AttentionMetadata, KVCache, attend_projections
+from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
-from omnistage.layers.linear import TransposedLinear
 
 
 @dataclass

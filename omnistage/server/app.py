@@ -20,23 +20,23 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage.version import __version__
 from omnistage.engine_api import OutputOptions
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
-from omnistage.outputs import Delta
 from omnistage.media.fetch import MediaFetchPolicy
+from omnistage.outputs import Delta
 from omnistage.server.audio_routes import add_audio_routes
 from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_event, error_response
-from omnistage.server.streams import chain
-from omnistage.server.metrics import ServerMetrics
 from omnistage.server.image_routes import add_image_routes
-from omnistage.server.video_routes import add_video_routes
+from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 from omnistage.server.realtime import add_realtime_route
 from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
                                      resolve_media_urls, stream_audio_delta)
+from omnistage.server.streams import chain
+from omnistage.server.video_routes import add_video_routes
+from omnistage.version import __version__
 
 log = logging.getLogger(__name__)
 

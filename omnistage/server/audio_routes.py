@@ -19,8 +19,8 @@ from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.media.audio import decode_audio
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
 from omnistage.sampling_params import SamplingParams
-from omnistage.server.streams import chain
 from omnistage.server.errors import error_event
+from omnistage.server.streams import chain
 
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
 TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."

@@ -34,9 +34,9 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
 from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig, appended_pcm,
                                               audio_part, check_room, default_config, error_json,
-                                              insert_position, model_abilities, new_id,
-                                              parse_item, response_config, response_json,
-                                              update_config, usage_json)
+                                              insert_position, model_abilities, new_id, parse_item,
+                                              response_config, response_json, update_config,
+                                              usage_json)
 from omnistage.server.realtime_items import Conversation
 from omnistage.server.vad import InputAudioBuffer, VadEvent
 

@@ -14,8 +14,8 @@ from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import EmbedFeed
 from omnistage.outputs import TokenLogprob
 from omnistage.sampling_params import SamplingParams
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
 
 
 class ARRequest(msgspec.Struct):

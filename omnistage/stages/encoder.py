@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
 
 
 class Encoders(Protocol):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import Channel, ChannelConfig
-from omnistage.stages.worker import worker_main
 from omnistage.stages.remote import RemoteStage
+from omnistage.stages.worker import worker_main
 
 
 def _actor_class():

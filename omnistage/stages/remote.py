@@ -16,10 +16,10 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import ChannelConfig, PeerDeadError, spawn_child
-from omnistage.stages.worker import (Abort, Final, InitFailed, Ready, StageInit,
-                                            message_types, worker_main)
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageFailure, StageOutput
+from omnistage.stages.base import Stage
+from omnistage.stages.worker import (Abort, Final, InitFailed, Ready, StageInit, message_types,
+                                     worker_main)
 
 log = logging.getLogger(__name__)
 

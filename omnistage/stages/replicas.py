@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnistage.stages.base import Stage
 from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
 
 
 class ReplicatedStage(Stage):

@@ -18,8 +18,8 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.runtime.channel import Channel, PeerDeadError
-from omnistage.stages.recipe import load_recipe
 from omnistage.stage_messages import StageFailure
+from omnistage.stages.recipe import load_recipe
 
 log = logging.getLogger(__name__)
 

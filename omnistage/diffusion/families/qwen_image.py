@@ -20,7 +20,8 @@ import torch
 
 from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.components import load_component, load_components
-from omnistage.diffusion.families.qwen_image_common import QwenCond, pack, pad_rows, to_pixels, unpack
+from omnistage.diffusion.families.qwen_image_common import (QwenCond, pack, pad_rows, to_pixels,
+                                                            unpack)
 from omnistage.diffusion.families.qwen_image_inpaint import ImageToImage
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest

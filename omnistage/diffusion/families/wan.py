@@ -33,12 +33,12 @@ from PIL import Image
 
 from omnistage.diffusion.cache import StepCache, cached_stack
 from omnistage.diffusion.components import load_component
-from omnistage.layers.checkpoint import read_model_index
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily, cfg_rows, check_size
 from omnistage.diffusion.messages import DiffusionRequest
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.diffusion.schedule import seeded_noise
 from omnistage.errors import InvalidRequestError, ModelLoadError
+from omnistage.layers.checkpoint import read_model_index
 
 MAX_SEQUENCE_LENGTH = 512    # prompt tokens, zero-padded to this (the pipelines' default)
 

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5OmniAudioEncoderConfig
 
-from omnistage.models.qwen2_5_omni.audio_features import num_audio_tokens
 from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.models.qwen2_5_omni.audio_features import num_audio_tokens
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
 

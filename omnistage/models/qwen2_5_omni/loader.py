@@ -10,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from safetensors import safe_open
 
 from omnistage.errors import CheckpointError, ModelLoadError
-from omnistage.layers.weights import fill_model
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
+from omnistage.layers.weights import fill_model
 from omnistage.models.qwen2_5_omni.router import BridgeConstants
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerLM, TalkerConfig, TalkerTokens
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerLM

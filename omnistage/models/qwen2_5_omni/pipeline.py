@@ -16,18 +16,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from omnistage.config import EngineConfig
-from omnistage.errors import InvalidRequestError
 from omnistage.engine_api import EngineAbilities, OutputOptions
+from omnistage.errors import InvalidRequestError
 from omnistage.graph_pipeline import GraphPipeline
-from omnistage.layers.checkpoint import load_tokenizer
+from omnistage.layers.checkpoint import load_tokenizer, read_config
 from omnistage.models.qwen2_5_omni.loader import load_speakers, talker_tokens
 from omnistage.models.qwen2_5_omni.messages import OmniRequest
 from omnistage.models.qwen2_5_omni.processor import OmniProcessor, ProcessedPrompt
-from omnistage.models.qwen2_5_omni.recipe import (RECIPE, OmniSettings, generation_defaults,
-                                                  speaks, thinker_config)
+from omnistage.models.qwen2_5_omni.recipe import (RECIPE, OmniSettings, generation_defaults, speaks,
+                                                  thinker_config)
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
-from omnistage.layers.checkpoint import read_config
 from omnistage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

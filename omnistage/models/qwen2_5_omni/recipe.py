@@ -15,11 +15,12 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
 from omnistage.kernels.linear import native_linear_kernel
-from omnistage.llm.engine import LLMEngine
-from omnistage.layers.checkpoint import eos_token_ids, load_tokenizer
+from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
+                                         safetensors_files)
 from omnistage.layers.linear import use_native_linears
 from omnistage.layers.onednn import onednn_linear_available
-from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
+from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
 from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
 from omnistage.models.qwen2_5_omni.loader import (bridge_constants, load_lm, load_speakers,
@@ -28,12 +29,12 @@ from omnistage.models.qwen2_5_omni.processor import MediaLimits
 from omnistage.models.qwen2_5_omni.router import OmniRouter
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.vision_encoder import Qwen2_5OmniVisionEncoder
-from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings, VocoderStage
 from omnistage.stages.ar import ARStage
 from omnistage.stages.base import Stage
-from omnistage.stages.recipe import Recipe
 from omnistage.stages.encoder import EncoderStage
-from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings, VocoderStage
+from omnistage.stages.recipe import Recipe
+
 
 @dataclass
 class OmniSettings:

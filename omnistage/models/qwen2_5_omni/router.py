@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.graph import CLIENT, Edge
-from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, EncodedMedia,
-                                                    EncodeJob, OmniRequest)
+from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, EncodedMedia, EncodeJob,
+                                                    OmniRequest)
 from omnistage.models.qwen2_5_omni.talker import TalkerTokens
 from omnistage.outputs import Delta
-from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
 from omnistage.stage_messages import StageOutput
+from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
 
 
 @dataclass

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from omnistage.errors import InvalidRequestError
+from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.models.qwen2_5_omni.bigvgan import BigVGAN
 from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout, DiTModel, SpeakerTerms
-from omnistage.layers.weights import load_prefixed, require_complete
 
 # Guidance below this is treated as off (no unconditional row), as the reference does.
 MIN_GUIDANCE = 1e-5

@@ -31,9 +31,10 @@ import torch
 from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
-                                                            Token2WavStream, solve_key, step_streams)
-from omnistage.stages.base import Stage
+                                                            Token2WavStream, solve_key,
+                                                            step_streams)
 from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
 
 
 @dataclass
