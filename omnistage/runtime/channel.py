@@ -8,7 +8,7 @@ Shared memory: each end owns one `ShmArena` for what it sends and maps the peer'
 A receiver copies tensors out while decoding and acks at once: on the header of a message it
 sends anyway, else as a bare ACK before `recv` returns. A producer applies acks whenever it
 reads its socket, and reads before encoding while regions are outstanding. A full arena sends
-inline (shm.py).
+inline (shm.py). `wait_acks` blocks until every region has been acked (drain, tests).
 
 Start-up: the parent creates its arena, binds (`listen`) and hands the child `spec` bytes. The
 child (`connect`) maps the parent's arena, creates its own, connects and sends HELLO. On HELLO
@@ -124,7 +124,7 @@ class Channel:
         """The parent end: bind and create its arena. Returns the channel and the child's spec."""
         config = config or ChannelConfig()
         ctx, arena = zmq.Context(io_threads=1), None
-        sock = ctx.socket(zmq.PAIR)
+        sock = _pair_socket(ctx, config)
         try:
             if config.transport == "ipc" and sys.platform == "linux":
                 address = f"ipc://@{new_segment_name('sock')}"
@@ -150,7 +150,7 @@ class Channel:
         if peer_sentinel is None and multiprocessing.parent_process() is not None:
             peer_sentinel = multiprocessing.parent_process().sentinel
         ctx, arena, channel = zmq.Context(io_threads=1), None, None
-        sock = ctx.socket(zmq.PAIR)
+        sock = _pair_socket(ctx, config)
         try:
             if decoded.parent_segment:
                 reader.attach(decoded.parent_segment, decoded.shm_dir)
@@ -211,6 +211,26 @@ class Channel:
                 self.arena.release(encoded.shm_tokens)
             raise
         self._flush_acks()  # acks for messages read while waiting to send
+
+    def wait_acks(self, timeout: float) -> bool:
+        """Block until the peer has acked every region this end wrote to its arena (at once
+        without an arena), reading the socket meanwhile: messages that arrive are queued for
+        `recv` and acked. True once none is outstanding, False after `timeout` s; PeerDeadError
+        if the peer is gone first (its acks will never come). Acks travel on their own
+        messages, so `recv(timeout=0)` right after the peer read is not enough to see them."""
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pump(_DRAIN_BATCH)
+            self._flush_acks()  # a peer waiting for our acks the same way must progress too
+            if self.arena is None or not self.arena.outstanding:
+                return True
+            if self._peer_gone:
+                raise PeerDeadError(self._peer_gone)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._wait(self._recv_poller, remaining)
 
     def recv(self, timeout: float | None = None) -> Any | None:
         """The next message, or None after `timeout` s (None: no limit). PeerDeadError once the
@@ -392,6 +412,16 @@ def spawn_child(target: Callable[[bytes], None], types: Sequence[type],
             process.join()
         raise
     return ChildProcess(channel, process)
+
+
+def _pair_socket(ctx: zmq.Context, config: ChannelConfig) -> zmq.Socket:
+    """A PAIR socket whose LINGER is set before it binds or connects. libzmq copies the options
+    into a listener at bind time, and a connection it accepted that ends first (the peer closed)
+    is terminated with the listener's copy: left at the default (-1, for ever), ctx.term() can
+    hang on a message queued to that peer however low `close(linger=...)` sets it."""
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, config.linger_ms)
+    return sock
 
 
 def _abandon(ctx: zmq.Context, sock: zmq.Socket, arena: ShmArena | None) -> None:

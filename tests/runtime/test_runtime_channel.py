@@ -81,12 +81,26 @@ def test_acks_free_the_arena_and_a_full_arena_goes_inline(pair):
     for i, t in enumerate(big):
         got = child.recv(timeout=5)
         assert got.seq == i and torch.equal(got.tensors[0], t)
-    assert parent.recv(timeout=0) is None  # reads the child's acks
+    # The child acked each region before its recv returned, but the acks are messages of
+    # their own, still in flight: wait for them (bounded) instead of peeking once.
+    assert parent.wait_acks(timeout=10), f"{parent.arena.outstanding} regions never acked"
     assert parent.arena.outstanding == 0 and parent.arena.used_bytes == 0
+    assert parent.recv(timeout=0) is None  # bare acks are not messages
     child.send(Payload(9, [big[0]], {"a": np.arange(3)}))  # and the other direction
     back = parent.recv(timeout=5)
     assert torch.equal(back.tensors[0], big[0]) and back.arrays["a"].tolist() == [0, 1, 2]
     assert child.arena.num_writes == 1
+
+
+def test_wait_acks_times_out_or_reports_the_peer_while_regions_are_unread(pair):
+    parent, child = pair
+    parent.send(Payload(0, [torch.randn(200_000)]))  # through the arena; the child never reads
+    t0 = time.monotonic()
+    assert parent.wait_acks(timeout=0.1) is False and parent.arena.outstanding == 1
+    assert time.monotonic() - t0 >= 0.09
+    child.close()
+    with pytest.raises(PeerDeadError, match="closed"):
+        parent.wait_acks(timeout=10)
 
 
 def test_close_is_reported_after_queued_messages(pair):
