@@ -15,6 +15,7 @@ _EXPORTS = {
     "OmniOutput": "omnistage.outputs",
     "CompletionOutput": "omnistage.outputs",
     "Delta": "omnistage.outputs",
+    "OutputOptions": "omnistage.engine_api",
 }
 __all__ = list(_EXPORTS)
 
