@@ -41,10 +41,16 @@ def hf_model(omni_dir):
     return Qwen2_5OmniForConditionalGeneration.from_pretrained(omni_dir).eval()
 
 
-def pipeline(omni_dir, stream: StreamConfig | None = WHOLE, deploy=None) -> Qwen2_5OmniPipeline:
+# The default kernels (native linear and attention, oneDNN in the DiT) and the plain ones
+# (what transformers runs) are both held to transformers' outputs.
+KERNELS = pytest.mark.parametrize("kernel", ["auto", "matmul"])
+
+
+def pipeline(omni_dir, stream: StreamConfig | None = WHOLE, deploy=None,
+             kernel: str = "matmul") -> Qwen2_5OmniPipeline:
     from omnistage.models.qwen2_5_omni import recipe
 
-    cfg = EngineConfig(model=omni_dir, max_model_len=2048, num_kv_blocks=512, linear_kernel="matmul")
+    cfg = EngineConfig(model=omni_dir, max_model_len=2048, num_kv_blocks=512, linear_kernel=kernel)
     settings = recipe.OmniSettings(vocoder=VocoderSettings(steps=10, stream=stream))
     placement = deploy.placement(recipe.RECIPE.module, cfg, settings) if deploy is not None else None
     return Qwen2_5OmniPipeline(cfg, settings, placement)
@@ -96,8 +102,9 @@ def hf_generate(hf, pp, want_audio: bool, extra=None, seed=0):
     return seq[0, ids.shape[1]:].tolist(), wav, captured.get("codes")
 
 
-def test_text_audio_out_parity(omni_dir, hf_model, local_only):
-    pipe = pipeline(omni_dir)
+@KERNELS
+def test_text_audio_out_parity(omni_dir, hf_model, local_only, kernel):
+    pipe = pipeline(omni_dir, kernel=kernel)
     pp = pipe.prepare([{"role": "user", "content": "Tell me about the sea and the sky."}], _opts(True))
     hf_tokens, hf_wav, hf_codes = hf_generate(hf_model, pp, True, seed=7)
     repeats = hf_model.config.token2wav_config.dit_config.repeats
@@ -184,9 +191,10 @@ def _mp4_bytes(frames: int = 8, fps: int = 4, w: int = 56, h: int = 56) -> bytes
     return buf.getvalue()
 
 
+@KERNELS
 @pytest.mark.parametrize("kind", ["audio", "image", "video"])
-def test_media_in_thinker_parity(omni_dir, hf_model, kind, omni_deploy):
-    pipe = pipeline(omni_dir, deploy=omni_deploy)
+def test_media_in_thinker_parity(omni_dir, hf_model, kind, omni_deploy, kernel):
+    pipe = pipeline(omni_dir, deploy=omni_deploy, kernel=kernel)
     part = {"audio": {"type": "audio", "audio": _wav_bytes(1.3)},
             "image": {"type": "image", "image": _png_bytes(60, 44)},
             "video": {"type": "video", "video": _mp4_bytes()}}[kind]
