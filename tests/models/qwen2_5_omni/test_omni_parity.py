@@ -118,7 +118,11 @@ def test_text_audio_out_parity(omni_dir, hf_model, local_only, kernel):
 
 
 def test_streamed_waveform_gap(omni_dir, local_only):
-    """Default streaming (the DiT's block reach) vs one window, same noise: documented gap."""
+    """Default streaming (the DiT's block reach, growing chunks) vs one window, same noise: the
+    documented gap (measured: max abs 3.5e-5, relative RMS 5.3e-5 on a waveform of peak ~0.5).
+    Each window has the DiT's exact one-pass reach, so only the reach compounded over the ODE's
+    evaluations is missing (tests/models/qwen2_5_omni/test_omni_token2wav.py bounds it against
+    transformers per chunk size); bounds ~10x the measured gap."""
     whole, streamed = pipeline(omni_dir), pipeline(omni_dir, stream=None)
     pp = whole.prepare([{"role": "user", "content": "Say something long."}], _opts(True))
     gen = torch.Generator().manual_seed(3)
@@ -128,7 +132,7 @@ def test_streamed_waveform_gap(omni_dir, local_only):
     assert a.shape == b.shape
     rms = float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(a ** 2)))
     print(f"streamed vs whole: max abs {np.abs(a - b).max():.3g}, relative RMS {rms:.3g}")
-    assert rms < 0.5
+    assert np.abs(a - b).max() < 4e-4 and rms < 6e-4
 
 
 def _wav_bytes(seconds: float, rate: int = 16000) -> bytes:

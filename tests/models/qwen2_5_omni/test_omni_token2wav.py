@@ -347,3 +347,47 @@ def test_bad_input_names_the_parameter(models):
     with pytest.raises(InvalidRequestError) as e:
         StreamConfig(look_ahead=-1)
     assert e.value.param == "look_ahead"
+
+
+@pytest.mark.parametrize("max_chunk", [
+    16,     # measured: mel max 2.2e-5 rms 2.7e-6; wav max 3.6e-7 rms 7.7e-8
+    32,     # measured: mel max 2.2e-5 rms 2.1e-6; wav max 3.5e-7 rms 7.6e-8
+    48,     # measured: mel max 2.0e-5 rms 1.8e-6; wav max 3.6e-7 rms 7.7e-8
+])
+def test_growing_stream_close_to_transformers_whole_decode(models, max_chunk):
+    """Streaming as the vocoder stage runs it (StreamConfig.for_dit: windows with the DiT's
+    exact one-pass reach; chunks growing chunk_size * 2**k up to max_chunk_size: 16 = never
+    grows, 48 = for_dit's 12 blocks) against transformers' whole decode with the same noise.
+    The first chunk is 16 codes: the tiny vocoder's context is 28 frames (14 codes), so
+    for_dit's 2-block first chunk (8 codes) would carry no audio here. 150 codes (300 frames).
+    Within one ODE evaluation every kept frame sees all it would see in the whole utterance
+    (look_back/look_ahead = the layers' reach); over the 36 evaluations (10 RK4 steps, CFG)
+    that reach compounds past the window, so kept frames differ slightly. Measured values are
+    in the parameters' comments below; bounds are ~10x the largest; a misplaced window or
+    noise slice gives O(1) mel errors."""
+    hf, ours = models
+    base = StreamConfig.for_dit(ours.config.dit_config)
+    cfg = StreamConfig(16, base.look_ahead, base.look_back, max_chunk_size=max_chunk)
+    sizes = [cfg.chunk(k) for k in range(6)]
+    assert sizes[0] == 16 and sizes == sorted(sizes) and max(sizes) == max_chunk
+    assert base.max_chunk_size == 48                    # for_dit's 12 blocks of 4 codes
+    codes, cond, ref = utterance(150, seed=11)
+    torch.manual_seed(6)
+    noise = torch.randn(1, 2 * codes.numel(), MEL)
+    with torch.no_grad():
+        torch.manual_seed(6)
+        wav_hf = hf(codes[None], cond, ref, num_steps=10, guidance_scale=0.5, sway_coefficient=-1.0)
+        torch.manual_seed(6)
+        mel_hf = hf.code2wav_dit_model.sample(cond, ref, codes[None], num_steps=10,
+                                              guidance_scale=0.5, sway_coefficient=-1.0)[0].T
+    chunks, mel = _stream_all(ours, codes, cond, ref, noise, cfg)
+    wav = torch.cat(chunks)
+    assert wav.shape == wav_hf.shape and mel.shape == mel_hf.shape
+    dm, dw = mel - mel_hf, wav - wav_hf
+    print(f"max_chunk {max_chunk}: mel max {dm.abs().max():.2g} rms {dm.pow(2).mean().sqrt():.2g}; "
+          f"wav max {dw.abs().max():.2g} rms {dw.pow(2).mean().sqrt():.2g}")
+    assert dm.abs().max() < 3e-4 and dm.pow(2).mean().sqrt() < 3e-5
+    assert dw.abs().max() < 4e-6 and dw.pow(2).mean().sqrt() < 1e-6
+    if max_chunk == 16:   # negative control: a one-frame noise misalignment is seen
+        _, shifted = _stream_all(ours, codes, cond, ref, torch.roll(noise, 1, dims=1), cfg)
+        assert (shifted - mel_hf).abs().max() > 0.5
