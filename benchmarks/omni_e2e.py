@@ -125,6 +125,7 @@ class RequestTiming:
     done_s: float              # submit -> end of the stream
     audio_s: float             # seconds of audio received
     text_token_ids: list[int]
+    codes: list[int] | None = None   # the talker's codes token2wav received (in-process token2wav)
 
 
 @dataclass
@@ -153,14 +154,23 @@ class StageClock:
         self._parts: dict[str, float] = defaultdict(float)
         self._started: dict[str, float] = {}
         self._names = [*pipeline.graph.stages, GRAPH]   # listed even if never stepped
+        self.codes: dict[str, list[int]] = defaultdict(list)   # request id -> talker codes
         for stage in pipeline.graph.stages.values():
             stage.step = self._timed(stage.name, stage.step)
         pipeline.step = self._timed(GRAPH, pipeline.step)
         t2w = pipeline.graph.stages.get("token2wav")
         if isinstance(t2w, VocoderStage):
+            t2w.add = self._recording(t2w.add)
             for part, module in (("dit", t2w.model.dit), ("bigvgan", t2w.model.vocoder)):
                 module.register_forward_pre_hook(lambda *_, part=part: self._start(part))
                 module.register_forward_hook(lambda *_, part=part: self._stop(part))
+
+    def _recording(self, add):
+        """The vocoder's add(), recording each request's codec codes on the way in."""
+        def recording(chunk):
+            self.codes[chunk.request_id] += chunk.codes
+            return add(chunk)
+        return recording
 
     def _timed(self, key: str, step):
         def timed(*args, **kwargs):
@@ -292,6 +302,8 @@ async def run_level(engine, clock: StageClock, c: int, indices: list[int], think
                                          for i in indices))
         wall = time.perf_counter() - t0
         await asyncio.to_thread(engine.wait_idle)
+    for t in timings:
+        t.codes = clock.codes.pop(f"c{c}-r{t.index}", None)
     return LevelResult(c, list(timings), wall, clock.take(), load.get("other_cores", 0.0))
 
 

@@ -52,6 +52,7 @@ class HFResult:
     latency_s: list[float]         # per request: generate() wall time (its first audio = its end)
     audio_s: list[float]           # per request: seconds of audio returned
     text_token_ids: list[list[int]]  # per request: the thinker's new tokens (cross-check)
+    codes: list[list[int]] = field(default_factory=list)  # per request: the talker's codes (cross-check)
     threads: int = 0
     talker_settings: dict = field(default_factory=dict)
     parts_s: dict = field(default_factory=dict)  # forward seconds per part, all timed requests
@@ -133,7 +134,9 @@ def run_job(job: HFJob) -> HFResult:
 
     generate([{"role": "user", "content": "Warm up."}], 4, 16)   # not timed
     load_s = time.perf_counter() - t0
-    res = HFResult(load_s, [], [], [], torch.get_num_threads(), talker, _time_parts(model))
+    res = HFResult(load_s, [], [], [], [], torch.get_num_threads(), talker, _time_parts(model))
+    # token2wav's first argument: the talker's codes (B=1), recorded by a forward hook
+    model.token2wav.register_forward_hook(lambda m, args, out: res.codes.append(args[0][0].tolist()))
     for messages in job.messages:
         t = time.perf_counter()
         tokens, audio_s = generate(messages, job.text_tokens, job.codec_tokens)
@@ -208,8 +211,9 @@ def summarize(report: dict, levels: dict, hf: HFResult | None, text_tokens: int)
             "requests_compared": len(pairs),
             "text_tokens_equal_hf": all(t.text_token_ids == hf.text_token_ids[i] for t, i in pairs)
             if pairs else None,
-            "audio_s_equal_hf": all(abs(t.audio_s - hf.audio_s[i]) < 1e-3 for t, i in pairs)
-            if pairs else None}
+            # None also when token2wav ran in another process (its codes are not seen here)
+            "talker_codes_equal_hf": all(t.codes == hf.codes[i] for t, i in pairs)
+            if pairs and all(t.codes is not None for t, _ in pairs) else None}
     report["ratios"] = {
         "throughput_c16_vs_hf": _ratio("throughput_c16_vs_hf", lv16 and lv16.throughput,
                                        hf and hf.throughput),

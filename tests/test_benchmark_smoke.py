@@ -1,6 +1,6 @@
 """Keeps benchmarks/llm_throughput.py from rotting: its workload and transformers peers run on a
 toy checkpoint (2 layers, hidden 64) for 3 requests. vllm is never involved; omnistage's engine
-only in the last test, skipped while `omnistage.Omni` cannot be imported."""
+only in the last test."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` liv
 from benchmarks import bandwidth, hf_peers  # noqa: E402
 from benchmarks.checkpoint import build_qwen2  # noqa: E402
 from benchmarks.workload import make_workload, usable_token_ids  # noqa: E402
-
-try:
-    from omnistage import Omni  # noqa: F401
-
-    HAVE_OMNI = True
-except ImportError:
-    HAVE_OMNI = False
-
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
@@ -95,7 +87,6 @@ def test_script_prints_one_json_line_last(toy_dir, capsys):
     assert report["bandwidth"]["bound_tok_s"] > 0 and report["single_stream"]["hf"]
 
 
-@pytest.mark.skipif(not HAVE_OMNI, reason="omnistage.Omni is not importable yet")
 def test_omnistage_runner_on_toy_model(toy_dir):
     from benchmarks import omnistage_runner
 
