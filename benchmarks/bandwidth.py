@@ -3,7 +3,8 @@
 Single-stream decode must read every weight once per token, so
     bound tok/s = read bandwidth (bytes/s) / weight bytes per token.
 Weight bytes are counted from the checkpoint's safetensors headers: every stored tensor once
-(a tied lm_head shares the embedding matrix, so that matrix counts once). KV-cache reads and
+(a tied lm_head shares the embedding matrix, so that matrix counts once); an untied
+embedding matrix counts one row (a decode step reads only its token's). KV-cache reads and
 activations are ignored (a few MB for a short prompt, against hundreds of MB of weights).
 """
 
@@ -77,7 +78,8 @@ def _safetensors_header(path: Path) -> dict:
 
 
 def weight_bytes(model_dir: str | Path) -> dict:
-    """Bytes of weights read per decode token: all stored tensors once, tied matrix once."""
+    """Bytes of weights read per decode token: all stored tensors once, a tied matrix once,
+    an untied embedding matrix one row."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     tied = bool(config.get("tie_word_embeddings", False))
@@ -87,12 +89,15 @@ def weight_bytes(model_dir: str | Path) -> dict:
     if tied:  # some writers store both names; the matrix is read once either way
         tensors.pop("lm_head.weight", None)
     total, params = 0, 0
-    for info in tensors.values():
+    for name, info in tensors.items():
         numel = 1
         for d in info["shape"]:
             numel *= d
         params += numel
-        total += numel * _DTYPE_BYTES[info["dtype"]]
+        read = numel
+        if not tied and name.endswith("embed_tokens.weight"):
+            read = info["shape"][-1]     # untied: a decode step reads one row (its token's)
+        total += read * _DTYPE_BYTES[info["dtype"]]
     return {"bytes": total, "params": params, "tied_embeddings": tied}
 
 

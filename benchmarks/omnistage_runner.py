@@ -48,7 +48,18 @@ def generate(llm, prompts: list[list[int]], output_lens: list[int]) -> list[list
 
 
 def throughput(model_dir, workload: Workload, **options) -> Measurement:
-    """Engine start, a two-request warm-up, then the whole workload as one generate call."""
+    """Engine start, a two-request warm-up, then the whole workload as one generate call.
+    torch's thread count is restored afterwards (a `num_threads` option sets it process-wide),
+    so it never carries over into the peers measured after in this process."""
+    import torch
+
+    from benchmarks.bandwidth import torch_threads
+
+    with torch_threads(torch.get_num_threads()):
+        return _throughput(model_dir, workload, **options)
+
+
+def _throughput(model_dir, workload: Workload, **options) -> Measurement:
     llm, start_s = start_engine(model_dir, **options)
     try:
         generate(llm, [p[:16] for p in workload.prompts[:2]], [4, 4])  # warm-up

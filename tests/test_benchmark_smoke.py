@@ -93,3 +93,37 @@ def test_omnistage_runner_on_toy_model(toy_dir):
     work = _small_workload(toy_dir)
     m = omnistage_runner.throughput(toy_dir, work)
     assert m.tokens == work.total_output_tokens and m.notes["lengths_ok"]
+
+
+def test_untied_embeddings_count_one_row(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(100, 8), "lm_head.weight": torch.zeros(100, 8),
+               "model.norm.weight": torch.zeros(8)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    w = bandwidth.weight_bytes(tmp_path)
+    assert not w["tied_embeddings"] and w["params"] == 100 * 8 * 2 + 8
+    assert w["bytes"] == 4 * (8 + 100 * 8 + 8)     # one embedding row, all of lm_head, the norm
+
+
+def test_interleaved_pairs_take_the_median_of_per_pair_ratios():
+    from benchmarks.interleave import interleaved
+    from benchmarks.workload import Measurement
+
+    order, a_speed, b_speed = [], iter([100, 50, 300, 90]), iter([50, 50, 100, 45])
+
+    def run(name, speeds):
+        def one():
+            order.append(name)
+            tok_s = next(speeds)
+            return Measurement(name, tok_s, 1.0)
+        return one
+
+    out = interleaved(run("a", a_speed), run("b", b_speed), 4, log=lambda *_: None)
+    assert order == ["a", "b"] * 4                          # A B A B, never A A B B
+    assert [r["ratio"] for r in out["runs"]] == [2.0, 1.0, 3.0, 2.0]
+    assert out["median_ratio"] == 2.0 and out["pairs_measured"] == 4
+    assert out["a_best"] == 300 and out["b_best"] == 100
+    failed = interleaved(lambda: None, run("b", iter([10, 10, 10])), 3, log=lambda *_: None)
+    assert failed["median_ratio"] is None and failed["runs"][0]["ratio"] is None
