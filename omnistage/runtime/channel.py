@@ -23,6 +23,11 @@ clean `close()` sends BYE, reported the same way after everything sent before it
 
 A Channel belongs to one thread (ZMQ sockets are not thread-safe). `send` blocks only while
 the peer's ZMQ queue is full, and keeps reading (acks, messages) meanwhile.
+
+A channel dropped without `close()` (say, held by a failed test's traceback) closes its socket
+without lingering and ends its ZMQ context when collected. Left to pyzmq, a context collected
+in the same reference cycle as its socket can be finalised first: it no longer sees the
+socket (its weak reference is cleared), and ctx.term() waits for ever for that socket.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import multiprocessing
 import sys
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -117,6 +123,7 @@ class Channel:
         self._send_poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
         self._header_enc = msgspec.msgpack.Encoder()
         self._header_dec = msgspec.msgpack.Decoder(_Header)
+        self._dropped = weakref.finalize(self, _end_dropped, ctx, sock)   # see the module doc
 
     @classmethod
     def listen(cls, types: Sequence[type],
@@ -181,6 +188,16 @@ class Channel:
         """Whether recv(0) may return something now: a queued message, data on the socket, or
         a peer known to be gone (its death is reported by recv)."""
         return bool(self._inbox) or self._peer_gone is not None or bool(self._sock.poll(0))
+
+    def poll_ready(self) -> bool:
+        """Parent: whether the child's HELLO has arrived, without blocking (PeerDeadError if
+        it died first)."""
+        self._pump(_DRAIN_BATCH)
+        if not self._ready:
+            self._wait(self._recv_poller, 0.0)   # reads what came, notices a dead peer
+        if not self._ready and self._peer_gone:
+            raise PeerDeadError(f"{self._peer_gone} before it finished connecting")
+        return self._ready
 
     def wait_ready(self, timeout: float) -> None:
         """Parent: wait for the child's HELLO. TimeoutError, or PeerDeadError if it died."""
@@ -278,6 +295,7 @@ class Channel:
         if self._closed:
             return
         self._closed = True
+        self._dropped.detach()
         alive = self._peer_gone is None
         if alive:
             with contextlib.suppress(zmq.ZMQError):
@@ -422,6 +440,12 @@ def _pair_socket(ctx: zmq.Context, config: ChannelConfig) -> zmq.Socket:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, config.linger_ms)
     return sock
+
+
+def _end_dropped(ctx: zmq.Context, sock: zmq.Socket) -> None:
+    """A collected channel's end (it holds neither: they are closed here, not by pyzmq)."""
+    sock.close(linger=0)
+    ctx.term()
 
 
 def _abandon(ctx: zmq.Context, sock: zmq.Socket, arena: ShmArena | None) -> None:

@@ -58,43 +58,91 @@ class RemoteStage(Stage):
                                           name=f"omnistage-{self.name}", wait=False))
 
     def _launch(self) -> None:
-        """Start the child and send it what to build; wait_started() collects its answer, so
-        several stages start (import, load weights) in parallel."""
+        """Start the child without waiting for it: StageInit and whatever is added meanwhile
+        wait in `_pending` until the child connects, and its Ready or InitFailed is read by
+        wait_started() (at start: several stages start, import and load in parallel) or by
+        step() (a restart: the graph keeps serving the other stages meanwhile)."""
         self._t0 = time.monotonic()
+        self._starting = True
+        self._pending = [StageInit(self.recipe, self.name, self.config, self._settings)]
         self._child = self._spawn()
-        self._child.channel.send(StageInit(self.recipe, self.name, self.config, self._settings))
 
     def wait_started(self) -> None:
         try:
-            reply = self._child.channel.recv(self.start_timeout_s)
+            self._child.channel.wait_ready(self.start_timeout_s)
+            self._flush_pending()
+            reply = self._child.channel.recv(max(0.0, self._t0 + self.start_timeout_s - time.monotonic()))
         except PeerDeadError as e:
             reply = InitFailed(f"the process exited while starting ({e})")
+        except TimeoutError:
+            reply = None
         if not isinstance(reply, Ready):
             why = reply.message if isinstance(reply, InitFailed) else f"no answer in {self.start_timeout_s} s"
             self._child.shutdown()
             raise ModelLoadError(f"stage {self.name!r} could not start in its process: {why}")
+        self._started()
+
+    def _started(self) -> None:
+        self._starting = False
         log.info("stage %s ready in %s (%.1f s)", self.name, self._child.describe(),
                  time.monotonic() - self._t0)
 
-    def _start(self) -> None:
-        self._launch()
-        self.wait_started()
+    def _flush_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for msg in pending:
+            self._child.channel.send(msg)
 
-    def _on_death(self, why: str) -> None:
-        log.error("stage %s: %s died (%s); failing %d requests", self.name,
-                  self._child.describe(), why, len(self._inflight))
-        self._failed += [StageOutput(self.name, rid, StageFailure(
-            rid, f"stage {self.name!r} failed: its process died ({why})"), final=True)
-            for rid in sorted(self._inflight)]
+    def _send(self, msg) -> None:
+        """To the child, or (while a restarted child has not connected yet) kept for it."""
+        if self._pending and self._child.channel.poll_ready():
+            self._flush_pending()
+        if self._pending:
+            self._pending.append(msg)
+        else:
+            self.channel.send(msg)
+
+    def _poll_restart(self) -> None:
+        """Step while a restarted child starts: hand it what waited, read its Ready or
+        InitFailed, and give up past the start timeout. PeerDeadError if it died."""
+        if self._pending and self._child.channel.poll_ready():
+            self._flush_pending()
+        if not self._pending:
+            reply = self.channel.recv(0)
+            if isinstance(reply, Ready):
+                self._started()
+                return
+            if isinstance(reply, InitFailed):
+                self._give_up(f"stage {self.name!r} could not restart: {reply.message}")
+                return
+        if time.monotonic() - self._t0 > self.start_timeout_s:
+            self._give_up(f"stage {self.name!r} could not restart: no answer in {self.start_timeout_s} s")
+
+    def _fail_inflight(self, why: str) -> None:
+        self._failed += [StageOutput(self.name, rid, StageFailure(rid, why), final=True)
+                         for rid in sorted(self._inflight)]
         self._inflight.clear()
         self._final_next.clear()
+
+    def _give_up(self, why: str) -> None:
+        self.dead = why
+        self._fail_inflight(why)
+        self._pending = []
+        self._child.shutdown(timeout=1.0)
+
+    def _on_death(self, why: str) -> None:
+        """Fail what the child held at once (reported by this step), then start a new child
+        in the background (up to max_restarts)."""
+        log.error("stage %s: %s died (%s); failing %d requests", self.name,
+                  self._child.describe(), why, len(self._inflight))
+        self._fail_inflight(f"stage {self.name!r} failed: its process died ({why})")
+        self._pending = []
         self._child.shutdown(timeout=1.0)
         if self.restarts >= self.max_restarts:
             self.dead = f"stage {self.name!r} died {self.restarts + 1} times; not restarting"
             return
         self.restarts += 1
         try:
-            self._start()
+            self._launch()
         except Exception as e:  # noqa: BLE001 - the stage stays dead; requests fail cleanly
             self.dead = f"stage {self.name!r} could not restart: {e}"
 
@@ -114,7 +162,7 @@ class RemoteStage(Stage):
             return
         self._inflight.add(rid)
         try:
-            self.channel.send(message)
+            self._send(message)
         except PeerDeadError as e:
             self._on_death(str(e))
 
@@ -123,7 +171,7 @@ class RemoteStage(Stage):
             self._inflight.discard(request_id)
             self._final_next.discard(request_id)
             try:
-                self.channel.send(Abort(request_id))
+                self._send(Abort(request_id))
             except PeerDeadError as e:
                 self._on_death(str(e))
 
@@ -132,7 +180,9 @@ class RemoteStage(Stage):
         if self.dead:
             return out
         try:
-            while (msg := self.channel.recv(0)) is not None:
+            if self._starting:
+                self._poll_restart()
+            while not self._starting and not self.dead and (msg := self.channel.recv(0)) is not None:
                 if isinstance(msg, Final):          # the next payload for it is its last
                     self._final_next.add(msg.request_id)
                 else:
@@ -146,7 +196,7 @@ class RemoteStage(Stage):
         except PeerDeadError as e:
             self._on_death(str(e))
         else:
-            if not self._child.alive():     # gone without a word (e.g. a killed Ray actor)
+            if not self.dead and not self._child.alive():   # gone without a word (a killed Ray actor)
                 self._on_death("it stopped responding")
         out += self._failed
         self._failed = []
@@ -158,6 +208,14 @@ class RemoteStage(Stage):
             return True
         if self.dead:
             return False
+        if self._starting:
+            if time.monotonic() - self._t0 > self.start_timeout_s:
+                return True     # a restart that never answered: step() gives up on it
+            try:
+                if self._pending and self._child.channel.poll_ready():
+                    return True     # connected: step() hands it what waited
+            except PeerDeadError:
+                return True
         return self.channel.readable() or not self._child.alive()
 
     def num_requests(self) -> int:

@@ -134,6 +134,25 @@ def test_recv_timeout_and_arecv(pair):
     asyncio.run(main())
 
 
+def test_a_dropped_channel_in_a_reference_cycle_is_collected_without_hanging():
+    """A channel nobody closed, in a cycle (as a failed test's traceback holds one), is freed
+    by the collector; pyzmq alone would finalise its context first and hang in ctx.term()."""
+    import gc
+
+    for transport in ("ipc", "tcp"):
+        parent, spec = Channel.listen(TYPES, ChannelConfig(transport=transport, shm_capacity=0))
+        child = Channel.connect(spec, TYPES)
+        parent.wait_ready(5.0)
+        child.send(Payload(1, []))          # unread: a message queued on the way
+        cycle = {"parent": parent, "child": child}
+        cycle["self"] = cycle
+        del parent, child, cycle
+        done = threading.Event()
+        collector = threading.Thread(target=lambda: (gc.collect(), done.set()), daemon=True)
+        collector.start()
+        assert done.wait(20), f"gc.collect() hung on a dropped {transport} channel"
+
+
 def test_config_is_validated():
     with pytest.raises(InvalidRequestError) as e:
         ChannelConfig(shm_capacity=-1)
