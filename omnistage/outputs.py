@@ -63,6 +63,8 @@ class Delta:
                                               # (H, W, 3) images, (F, H, W, 3) videos or
                                               # (L, H, W, 4) RGBA layers (layered models)
     seed: int | None = None             # diffusion: the seed the request ran with
+    partial_image: np.ndarray | None = None   # diffusion, partial_images: sample `index`'s preview
+    partial_image_index: int | None = None    # that sample's previews counted from 0
 
 
 @dataclass

@@ -27,6 +27,17 @@ class DiffusionProgress(msgspec.Struct):
     total: int
 
 
+class DiffusionPreview(msgspec.Struct):
+    """A partial image: sample `index`'s prediction of its final pixels after `step` steps,
+    float32 (H, W, 3) or (L, H, W, 4) in [0, 1]; `order` counts the sample's previews from 0."""
+
+    request_id: str
+    index: int
+    order: int
+    step: int
+    pixels: np.ndarray
+
+
 class DiffusionResult(msgspec.Struct):
     """The finished outputs, one per sample: float32 pixels in [0, 1]; (H, W, 3) images,
     (F, H, W, 3) videos or (L, H, W, 4) RGBA layer stacks (layered models)."""

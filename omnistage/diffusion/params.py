@@ -34,6 +34,7 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
     resolution: int | None = None         # layered models: size bucket (the output is ~resolution^2 pixels)
     strength: float | None = None         # image-to-image / inpainting: how much of the input to redo
                                           # (1: from pure noise); None: the model's default
+    partial_images: int = 0               # image models, streamed: previews decoded while denoising (0-3)
 
     def check(self, limits: "DiffusionLimits") -> None:
         def bad(msg: str, param: str):
@@ -64,6 +65,8 @@ class DiffusionParams(msgspec.Struct, kw_only=True):
         if self.cache_threshold is not None and not 0 <= self.cache_threshold <= 10:
             bad(f"cache_threshold must be between 0 and 10, got {self.cache_threshold}",
                 "cache_threshold")
+        if not 0 <= self.partial_images <= 3:
+            bad(f"partial_images must be between 0 and 3, got {self.partial_images}", "partial_images")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad(f"seed must be between 0 and 2**63-1, got {self.seed}", "seed")
         if not 1 <= self.fps <= 120:
@@ -97,3 +100,11 @@ class DiffusionLimits:
                      "max_input_pixels", "max_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DiffusionLimits.{name} must be >= 1")
+
+
+def preview_steps(num_steps: int, partial_images: int) -> tuple[int, ...]:
+    """After which denoising steps a job's previews are decoded: round(k * N / (P + 1)) for
+    k = 1..P, those strictly inside (0, N), each once (few steps give fewer previews: OpenAI's
+    contract lets the final image come before all partial images)."""
+    steps = {round(k * num_steps / (partial_images + 1)) for k in range(1, partial_images + 1)}
+    return tuple(sorted(s for s in steps if 0 < s < num_steps))

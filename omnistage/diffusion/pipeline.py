@@ -132,6 +132,9 @@ class DiffusionPipeline(GraphPipeline):
             # (the server default cache, applied below, is skipped quietly for such models)
             raise InvalidRequestError("this model has no step cache; leave cache out or use 'none'",
                                       param="cache")
+        if params.partial_images and self.family.is_video:
+            raise InvalidRequestError("partial_images applies to image models only",
+                                      param="partial_images")
         if params.num_frames is not None and not self.family.is_video:
             raise InvalidRequestError("num_frames applies to video models only", param="num_frames")
         if (params.layers is not None or params.resolution is not None) and not self.family.takes_layers:

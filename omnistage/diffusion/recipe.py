@@ -11,7 +11,8 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.diffusion.families import FAMILIES, family_class
-from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
+from omnistage.diffusion.messages import (DiffusionPreview, DiffusionProgress, DiffusionRequest,
+                                          DiffusionResult)
 from omnistage.diffusion.params import DiffusionLimits, DiffusionParams
 from omnistage.diffusion.stage import DiffusionStage, DiffusionStageSettings
 from omnistage.errors import UnsupportedArchitectureError
@@ -95,6 +96,9 @@ class DiffusionRouter:
         p = out.payload
         if isinstance(p, DiffusionProgress):
             return [(CLIENT, Delta(out.request_id, 0, "", [], progress=(p.step, p.total)))]
+        if isinstance(p, DiffusionPreview):
+            return [(CLIENT, Delta(out.request_id, p.index, "", [], partial_image=p.pixels,
+                                   partial_image_index=p.order))]
         assert isinstance(p, DiffusionResult)
         return [(CLIENT, Delta(out.request_id, 0, "", [], finished=True, finish_reason="stop",
                                images=p.outputs, seed=p.seed))]
@@ -105,7 +109,7 @@ def build_router(config: EngineConfig, settings: DiffusionSettings) -> Diffusion
 
 
 def _message_types() -> list[type]:
-    return [DiffusionRequest, DiffusionProgress, DiffusionResult, DiffusionParams]
+    return [DiffusionRequest, DiffusionProgress, DiffusionPreview, DiffusionResult, DiffusionParams]
 
 
 RECIPE = Recipe(__name__, DiffusionSettings, stage_names, build_stage, build_router, _message_types)

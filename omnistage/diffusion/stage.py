@@ -6,8 +6,14 @@ Each `step()`:
      oldest job has waited longest, up to `max_batch` jobs, and runs ONE transformer forward for
      it (classifier-free guidance's two halves ride in the same batch);
   3. steps each job's own scheduler (then the family's optional `after_step(job)`, e.g. an
-     inpainting blend), reports progress, and decodes the jobs that finished.
+     inpainting blend), decodes the previews that are due (`partial_images`), reports progress,
+     and decodes the jobs that finished.
 New requests therefore join between steps, and requests of other sizes take turns.
+
+A preview (partial image) is the job's prediction of its final latents, decoded: after a step
+to sigma s with velocity v, x0 ~ x_s - s * v (the flow-matching schedulers of the image
+families; video models take no partial images). It costs one VAE decode, and nothing for a
+request that asks for none.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from omnistage.diffusion.family import DenoiseJob, DiffusionFamily
-from omnistage.diffusion.messages import DiffusionProgress, DiffusionRequest, DiffusionResult
+from omnistage.diffusion.messages import (DiffusionPreview, DiffusionProgress, DiffusionRequest,
+                                          DiffusionResult)
+from omnistage.diffusion.params import preview_steps
 from omnistage.errors import InvalidRequestError
 from omnistage.stage_messages import StageFailure, StageOutput
 from omnistage.stages.base import Stage
@@ -45,6 +53,7 @@ class _Running:
     jobs: list[DenoiseJob]
     outputs: dict[int, object]     # sample index -> decoded pixels
     reported: int = -1             # last progress step sent
+    preview_at: tuple[int, ...] = ()   # steps after which each sample's preview is decoded
 
 
 class DiffusionStage(Stage):
@@ -109,21 +118,35 @@ class DiffusionStage(Stage):
         if batch:
             rids = {j.request_id for j in batch}
             try:
-                self._denoise(batch)
+                outs += self._denoise(batch)
                 outs += self._progress_and_finish(rids)
             except Exception as e:      # an internal fault fails the requests it touched, only
                 outs += self._fail(rids, e)
         return outs
 
-    def _denoise(self, batch: list[DenoiseJob]) -> None:
+    def _denoise(self, batch: list[DenoiseJob]) -> list[StageOutput]:
+        """One batched step of `batch`; -> the previews it made due."""
         t0 = time.perf_counter()
         preds = self.family.predict(batch)
+        due = []
         for job, pred in zip(batch, preds):
             job.latents = job.scheduler.step(pred, job.t, job.latents, return_dict=False)[0]
             self.family.after_step(job)
             job.step += 1
             self._waited[id(job)] = self._clock
+            if job.step in self._running[job.request_id].preview_at:
+                due.append((job, pred))
         self.timings["denoise"] += time.perf_counter() - t0
+        return [self._preview(job, pred) for job, pred in due]
+
+    def _preview(self, job: DenoiseJob, pred: torch.Tensor) -> StageOutput:
+        t0 = time.perf_counter()
+        sigma = job.scheduler.sigmas[job.scheduler.step_index]     # where the step landed
+        pixels = self.family.decode(replace(job, latents=job.latents - sigma * pred))
+        self.timings["decode"] += time.perf_counter() - t0
+        order = self._running[job.request_id].preview_at.index(job.step)
+        return StageOutput(self.name, job.request_id,
+                           DiffusionPreview(job.request_id, job.index, order, job.step, pixels))
 
     def _fail(self, rids: set[str], error: Exception) -> list[StageOutput]:
         log.exception("diffusion stage: requests %s failed", sorted(rids))
@@ -149,7 +172,8 @@ class DiffusionStage(Stage):
             self.timings["encode"] += time.perf_counter() - t0
         for job in jobs:
             self._waited[id(job)] = self._clock
-        self._running[req.request_id] = _Running(req, jobs, {})
+        previews = preview_steps(jobs[0].num_steps, req.params.partial_images) if jobs else ()
+        self._running[req.request_id] = _Running(req, jobs, {}, preview_at=previews)
         return self._progress_and_finish({req.request_id})   # 0-step requests finish here
 
     def _set_tiling(self, req: DiffusionRequest) -> None:

@@ -91,13 +91,15 @@ class ImageRequest(DiffusionFields):
             negative_prompt=self.negative_prompt, height=height, width=width,
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             true_cfg_scale=self.true_cfg_scale, seed=self.seed, n=self.n, cache=self.cache,
-            cache_threshold=self.cache_threshold, strength=self.strength)
+            cache_threshold=self.cache_threshold, strength=self.strength,
+            # previews are events of a stream: a whole response has nowhere to put them
+            partial_images=(self.partial_images or 0) if self.stream else 0)
 
 
 class VideoRequest(DiffusionFields):
-    """/v1/videos (JSON or multipart). `seconds` with `fps` sets the frame count unless
-    `num_frames` does: seconds * fps + 1 frames (the first frame is time 0, as Wan's 81 frames
-    are 5 s at 16 fps)."""
+    """/v1/videos (JSON or multipart). `seconds` with `fps` sets the frame count: seconds * fps
+    + 1 frames (the first frame is time 0, as Wan's 81 frames are 5 s at 16 fps); or
+    `num_frames` does. Both given must agree (a 400 naming num_frames otherwise)."""
     size: str | None = None
     seconds: Annotated[str | float | None, BeforeValidator(_not_bool)] = None
     num_frames: Int | None = None
@@ -105,19 +107,29 @@ class VideoRequest(DiffusionFields):
 
     def params(self, max_frames: int) -> DiffusionParams:
         width, height = parse_size(self.size)
-        frames = self.num_frames
-        if frames is None and self.seconds is not None:
-            frames = round(self.duration() * self.fps) + 1
-            if frames > max_frames:
-                raise InvalidRequestError(
-                    f"seconds={self.seconds} at {self.fps} fps is {frames} frames, over the "
-                    f"server's limit of {max_frames}; ask for at most "
-                    f"{(max_frames - 1) / self.fps:g} seconds or a lower fps", param="seconds")
         return DiffusionParams(
-            negative_prompt=self.negative_prompt, height=height, width=width, num_frames=frames,
+            negative_prompt=self.negative_prompt, height=height, width=width,
+            num_frames=self.frames(max_frames),
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
             true_cfg_scale=self.true_cfg_scale, guidance_scale_2=self.guidance_scale_2, seed=self.seed,
             cache=self.cache, cache_threshold=self.cache_threshold, fps=self.fps, strength=self.strength)
+
+    def frames(self, max_frames: int) -> int | None:
+        """The frame count asked for (None: the model's default)."""
+        if self.seconds is None:
+            return self.num_frames
+        frames = round(self.duration() * self.fps) + 1
+        if self.num_frames is not None and self.num_frames != frames:
+            raise InvalidRequestError(
+                f"num_frames={self.num_frames} contradicts seconds={self.seconds} at {self.fps} "
+                f"fps ({frames} frames: seconds * fps + 1); send one of them, or values that "
+                "agree", param="num_frames")
+        if frames > max_frames:
+            raise InvalidRequestError(
+                f"seconds={self.seconds} at {self.fps} fps is {frames} frames, over the "
+                f"server's limit of {max_frames}; ask for at most "
+                f"{(max_frames - 1) / self.fps:g} seconds or a lower fps", param="seconds")
+        return frames
 
     def duration(self) -> float:
         try:

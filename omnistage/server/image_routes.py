@@ -1,11 +1,14 @@
 """/v1/images/generations (JSON) and /v1/images/edits (multipart), served by an image model
 (a DiffusionPipeline engine): OpenAI's ImagesResponse, whole or as server-sent events.
 
-Streams send one `image_generation.completed` (`image_edit.completed`) event per image and SSE
-comments with the denoising progress meanwhile; partial images are not produced (the engine
-decodes only finished latents), which OpenAI's contract allows ("the final image may be sent
-before the full number of partial images"). Token usage is not counted for these models:
-`usage` is all zeros where the SDK requires it.
+Streams send SSE comments with the denoising progress, `image_generation.partial_image`
+(`image_edit.partial_image`) events when `partial_images` (1-3) asks for them, and one
+`image_generation.completed` (`image_edit.completed`) event per image. A partial image is a
+sample's predicted final image decoded part-way through denoising (after steps round(k * N /
+(P + 1)), k = 1..P, of N): few steps give fewer of them, as OpenAI's contract allows ("the
+final image may be sent before the full number of partial images"); with n > 1 each sample
+sends its own, each counting `partial_image_index` from 0. Token usage is not counted for these
+models: `usage` is all zeros where the SDK requires it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from starlette.datastructures import FormData, UploadFile
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
+from omnistage.server.access_log import AccessRecord
 from omnistage.server.errors import error_response
 from omnistage.server.image_protocol import (ImageRequest, b64, decode_mask, encode_image, pictures,
                                              size_of, validated)
@@ -118,12 +122,14 @@ async def _serve(engine: AsyncOmni, stats: ServerMetrics, request: Request, prom
     except StageFailedError as e:
         # The stage lost the request (a fault, or its process died): not the client's doing.
         return error_response(500, f"the image request failed: {e}", code="generation_failed")
+    record = request.state.access
     if body.stream:
-        return StreamingResponse(_events(first, deltas, body, kind, stats, t0),
+        return StreamingResponse(_events(first, deltas, body, kind, stats, t0, record),
                                  media_type="text/event-stream")
     final = await _final(chain(first, deltas))
     encoded = await asyncio.to_thread(_encode_all, final, body)
     stats.latency.observe(time.monotonic() - t0)
+    record.images = len(encoded)
     return JSONResponse({"created": int(time.time()), "data": [{"b64_json": b} for b in encoded],
                          "output_format": body.output_format, "size": size_of(final.images[0]),
                          "background": _background(final), "seed": final.seed})
@@ -153,23 +159,45 @@ def _background(final: Delta) -> str:
     return "transparent" if final.images[0].shape[-1] == 4 else "opaque"
 
 
+def _image_fields(data: str, pixels, body: ImageRequest) -> dict:
+    """The fields a streamed image event (partial or completed) carries about its picture."""
+    return {"b64_json": data, "created_at": int(time.time()), "output_format": body.output_format,
+            "size": size_of(pixels), "background": "transparent" if pixels.shape[-1] == 4 else "opaque",
+            "quality": "auto"}
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def _partial_events(d: Delta, body: ImageRequest, kind: str) -> list[str]:
+    """A preview delta as `{kind}.partial_image` events (a layered model's: one per layer)."""
+    return [_sse({"type": f"{kind}.partial_image", "partial_image_index": d.partial_image_index,
+                  **_image_fields(b64(encode_image(p, body.output_format, body.output_compression)),
+                                  p, body)})
+            for p in pictures([d.partial_image])]
+
+
 async def _events(first: Delta, deltas: AsyncIterator[Delta], body: ImageRequest, kind: str,
-                  stats: ServerMetrics, t0: float) -> AsyncIterator[str]:
+                  stats: ServerMetrics, t0: float, record: AccessRecord) -> AsyncIterator[str]:
     stream = chain(first, deltas)        # closing it (client gone) aborts the request
     try:
         async for d in stream:
             if d.progress is not None:
                 yield f": progress {d.progress[0]}/{d.progress[1]}\n\n"    # SSE comment: keep-alive
+            if d.partial_image is not None:
+                for event in await asyncio.to_thread(_partial_events, d, body, kind):
+                    yield event
             if not d.finished:
                 continue
             if not d.images:
                 raise RuntimeError(f"image request ended ({d.finish_reason}) without images")
             encoded = await asyncio.to_thread(_encode_all, d, body)
+            record.images = len(encoded)
             for data in encoded:
-                event = {"type": f"{kind}.completed", "b64_json": data, "created_at": int(time.time()),
-                         "output_format": body.output_format, "size": size_of(d.images[0]),
-                         "background": _background(d), "quality": "auto", "usage": NO_USAGE}
-                yield f"event: {kind}.completed\ndata: {json.dumps(event)}\n\n"
+                event = {"type": f"{kind}.completed", **_image_fields(data, d.images[0], body),
+                         "usage": NO_USAGE}
+                yield _sse(event)
             stats.latency.observe(time.monotonic() - t0)
             break
     except Exception as e:     # after the 200: the error travels as an SSE error event

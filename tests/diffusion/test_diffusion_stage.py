@@ -10,6 +10,7 @@ from omnistage import Omni
 from omnistage.diffusion.cache import StepCache
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.entrypoints.model_source import tiny_checkpoint
+from omnistage.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +178,30 @@ def test_an_internal_fault_fails_only_the_requests_it_touched(omni):
     assert done["boom"].finish_reason == "error" and "simulated kernel failure" in done["boom"].error
     assert done["fine"].finish_reason == "stop" and done["fine"].images[0].shape == (48, 48, 3)
     assert stage.num_jobs() == 0 and not eng.requests and stage.dead is None
+
+
+def test_preview_steps_spread_over_the_run():
+    from omnistage.diffusion.params import preview_steps
+
+    assert preview_steps(20, 3) == (5, 10, 15)
+    assert preview_steps(6, 3) == (2, 3, 4)
+    assert preview_steps(20, 0) == ()
+    assert preview_steps(2, 3) == (1,)           # few steps: fewer previews, never step 0 or N
+    assert preview_steps(1, 3) == ()
+
+
+def test_partial_images_only_where_asked_and_not_for_bad_counts(omni):
+    eng = omni.engine
+    submit(omni, "plain", "a cat", num_inference_steps=4, seed=1)
+    submit(omni, "two", "a cat", num_inference_steps=4, seed=1, partial_images=2, n=2)
+    deltas = drain(eng)
+    plain = [d for d in deltas if d.request_id == "plain"]
+    two = [d for d in deltas if d.request_id == "two" and d.partial_image is not None]
+    assert all(d.partial_image is None for d in plain)
+    # each of the two samples: previews after steps 1 and 3 (round(4/3), round(8/3))
+    assert sorted((d.index, d.partial_image_index) for d in two) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    final = {d.request_id: d for d in deltas if d.finished}
+    np.testing.assert_array_equal(final["plain"].images[0], final["two"].images[0])   # unchanged
+    with pytest.raises(InvalidRequestError) as e:
+        submit(omni, "bad", "a cat", partial_images=4)
+    assert e.value.param == "partial_images"

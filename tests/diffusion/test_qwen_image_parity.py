@@ -119,3 +119,53 @@ def test_layer_params_are_refused(omni):
         with pytest.raises(InvalidRequestError) as e:
             omni.generate("a cat", DiffusionParams(height=32, width=32, **bad))
         assert e.value.param in ("layers", "resolution")
+
+
+@torch.no_grad()
+def _decode_like_diffusers(pipe, latents, size):
+    """QwenImagePipeline's own decode of packed latents (its __call__'s last lines)."""
+    latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
+    z = pipe.vae.config.z_dim
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, z, 1, 1, 1)
+    std = torch.tensor(pipe.vae.config.latents_std).view(1, z, 1, 1, 1)
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0][:, :, 0]
+    return pipe.image_processor.postprocess(image, output_type="np")[0]
+
+
+def test_partial_images_are_the_predicted_final_image_from_diffusers_trajectory(ref_pipe, omni):
+    """A partial image after step s is the flow-matching prediction x0 = x_s - sigma_s * v of
+    the final latents, decoded; v is the step's velocity, read off diffusers' own trajectory
+    (its latents after each step, via callback_on_step_end) as (x_s - x_{s-1}) / (sigma_s -
+    sigma_{s-1}). And asking for previews leaves the final image as it is."""
+    steps, seed = 6, 4
+    seen = []
+
+    def grab(pipe, i, t, tensors):
+        seen.append(tensors["latents"].clone())
+        return tensors
+
+    with torch.inference_mode():
+        final = ref_pipe("a green hill", negative_prompt="fog", true_cfg_scale=4.0, height=SIZE,
+                         width=SIZE, num_inference_steps=steps,
+                         generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
+                         callback_on_step_end=grab).images[0]
+        sigmas = ref_pipe.scheduler.sigmas          # this run's schedule
+        eng = omni.engine
+        eng.add_request("pv", eng.prepare("a green hill"), DiffusionParams(
+            negative_prompt="fog", height=SIZE, width=SIZE, num_inference_steps=steps, seed=seed,
+            partial_images=3))
+        deltas = []
+        while eng.has_unfinished_requests():
+            deltas += eng.step()
+    previews = [d for d in deltas if d.partial_image is not None]
+    assert [d.partial_image_index for d in previews] == [0, 1, 2]     # after steps 2, 3, 4 of 6
+    last = [d for d in deltas if d.finished][0]
+    assert np.abs(last.images[0] - final).max() <= ATOL
+    for d, s in zip(previews, (2, 3, 4)):
+        v = (seen[s - 1] - seen[s - 2]) / (sigmas[s] - sigmas[s - 1])
+        want = _decode_like_diffusers(ref_pipe, seen[s - 1] - sigmas[s] * v, SIZE)
+        assert d.partial_image.shape == (SIZE, SIZE, 3)
+        assert np.abs(d.partial_image - want).max() <= ATOL        # measured ~1e-6
+    # the previews approach the final image (the comparison is not vacuous)
+    dist = [np.abs(d.partial_image - final).mean() for d in previews]
+    assert dist[0] > dist[-1] and np.abs(previews[0].partial_image - final).max() > 0.01

@@ -94,6 +94,31 @@ def test_stream_sends_progress_then_the_completed_image(client, servers, api_key
     assert ": progress 2/3\n\n" in raw and raw.index(": progress 2/3") < raw.index("event: image_generation")
 
 
+def test_stream_sends_partial_images_then_the_completed_image(client, edit_client):
+    """partial_images=2 over 4 steps: previews after steps 1 and 3, then the final image,
+    which previews leave unchanged; the SDK parses each event into its own type."""
+    body = {"num_inference_steps": 4, "seed": 9}
+    whole = client.images.generate(prompt="a tree", size="32x32", extra_body=body)
+    events = list(client.images.generate(prompt="a tree", size="32x32", stream=True,
+                                         partial_images=2, output_format="webp", extra_body=body))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert all(e.size == "32x32" and e.output_format == "webp" and e.background == "opaque"
+               for e in events)
+    previews = [_image(e.b64_json, "WEBP") for e in events[:2]]
+    assert all(p.shape == (32, 32, 3) for p in previews)
+    final = client.images.generate(prompt="a tree", size="32x32", output_format="webp", extra_body=body)
+    assert events[-1].b64_json == final.data[0].b64_json
+    assert _image(whole.data[0].b64_json).shape == (32, 32, 3)
+    # not streamed: partial_images has nowhere to go and changes nothing
+    quiet = client.images.generate(prompt="a tree", size="32x32", partial_images=2, extra_body=body)
+    assert quiet.data[0].b64_json == whole.data[0].b64_json
+    edits = list(edit_client.images.edit(image=("in.png", _png(32, 32, 1), "image/png"),
+                                         prompt="paint it", size="32x32", stream=True, partial_images=1,
+                                         extra_body={"num_inference_steps": 2, "seed": 2}))
+    assert [e.type for e in edits] == ["image_edit.partial_image", "image_edit.completed"]
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"size": "big"}, "size"),
     ({"size": "40x32"}, "size"),                 # not a multiple of 16
