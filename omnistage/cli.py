@@ -217,14 +217,32 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every route (default: no key)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health (and "
+                             "/metrics with --metrics-auth open). The command line shows in ps: "
+                             "prefer --api-key-file or the environment variable OMNISTAGE_API_KEY, "
+                             "which either flag overrides (default: no key)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="read the API key from this file (surrounding whitespace stripped; "
+                             "unreadable, empty, or given with --api-key is an error)")
+    parser.add_argument("--metrics-auth", default="key", choices=["key", "open"],
+                        help="with an API key: 'key' asks for it on /metrics too, 'open' lets "
+                             "Prometheus scrape without it (the metrics name no request or "
+                             "client; default: key). /health never asks for the key")
     parser.add_argument("--served-model-name", default=None,
                         help="model name clients send (default: the MODEL argument)")
-    parser.add_argument("--log-level", default="info", help="uvicorn log level (default: info)")
+    parser.add_argument("--log-level", default="info",
+                        help="log level of the server and uvicorn; 'info' includes one access line "
+                             "per request on the logger omnistage.access (default: info)")
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false",
+                        help="leave out the per-request access lines (default: logged at info)")
     parser.add_argument("--allowed-origins", nargs="*", default=[],
                         help="CORS origins allowed to call the API from a browser (default: none)")
     parser.add_argument("--max-queued-requests", type=int, default=256,
-                        help="queued (not yet running) sequences before new requests get 429 (default: 256)")
+                        help="requests that may wait beyond those being served: the server admits "
+                             "a request (counted on arrival until its response ends) while fewer "
+                             "than --max-num-seqs (image/video models: --diffusion-max-batch) + "
+                             "this many are in flight, and answers the rest 429 with Retry-After; "
+                             "0: no waiting line (default: 256)")
     parser.add_argument("--max-body-mb", type=float, default=16.0,
                         help="largest request body accepted, in MiB; larger gets 413 (default: 16)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -240,31 +258,53 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     _diffusion_arguments(parser)
 
 
+def _server_limits(args: argparse.Namespace, model_dir: str):
+    from pathlib import Path
+
+    from omnistage.errors import InvalidRequestError
+    from omnistage.media.fetch import MediaFetchPolicy
+    from omnistage.server.app import ServerLimits
+
+    if args.max_queued_requests < 0:
+        raise InvalidRequestError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    diffusers = (Path(model_dir) / "model_index.json").is_file()
+    return ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
+                        max_queued_requests=args.max_queued_requests,
+                        seats=args.diffusion_max_batch if diffusers else args.max_num_seqs,
+                        metrics_auth=args.metrics_auth,
+                        allowed_origins=tuple(args.allowed_origins),
+                        media=MediaFetchPolicy(allowed_domains=tuple(args.allowed_media_domains),
+                                               max_bytes=int(args.max_media_mb * 2**20)),
+                        max_video_jobs=args.max_video_jobs)
+
+
 def _serve_run(args: argparse.Namespace) -> int:
     import logging
+    import os
 
     import uvicorn
 
     from omnistage import AsyncOmni
     from omnistage.entrypoints.model_source import resolve_model
-    from omnistage.server.app import ServerLimits, build_app
+    from omnistage.server.app import build_app
+    from omnistage.server.serve import resolve_api_key
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.access_log:
+        logging.getLogger("omnistage.access").setLevel(logging.WARNING)
+    api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ.get("OMNISTAGE_API_KEY"))
     model_dir = resolve_model(args.model)      # tiny:ARCH built here, once
+    limits = _server_limits(args, model_dir)
     engine = AsyncOmni(model_dir, **engine_options(args), **model_settings(args, model_dir))
-    from omnistage.media.fetch import MediaFetchPolicy
-
-    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20),
-                          max_queued_requests=args.max_queued_requests,
-                          allowed_origins=tuple(args.allowed_origins),
-                          media=MediaFetchPolicy(allowed_domains=tuple(args.allowed_media_domains),
-                                                 max_bytes=int(args.max_media_mb * 2**20)),
-                          max_video_jobs=args.max_video_jobs)
-    app = build_app(engine, args.served_model_name or args.model, args.api_key, limits)
+    app = build_app(engine, args.served_model_name or args.model, api_key, limits)
+    from omnistage.server.realtime_events import WS_MAX_MESSAGE_BYTES
     from omnistage.server.serve import DrainingServer
 
+    # over uvicorn's 16 MiB: an oversized Realtime event is an error event, not a close (1009)
+    # access_log off: omnistage.access logs each request when it ends (uvicorn's at its start)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
+                            ws_max_size=WS_MAX_MESSAGE_BYTES)
     try:
         DrainingServer(config, app, engine, args.shutdown_timeout).run()
     finally:

@@ -12,8 +12,9 @@ the graph talks to it through the same Stage protocol.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import NoReturn
 
 from omnistage.errors import InvalidRequestError
 
@@ -27,15 +28,51 @@ class StagePlacement:
     replicas: int = 1                    # copies of the stage (process/ray); requests spread over them
 
     def __post_init__(self) -> None:
-        if self.where not in WHERE:
+        if not isinstance(self.where, str) or self.where not in WHERE:
             raise InvalidRequestError(f"deploy config: where must be one of {WHERE}, got {self.where!r}",
                                       param="deploy_config")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or isinstance(self.num_threads, bool)
+                                             or self.num_threads < 1):
+            raise InvalidRequestError(f"deploy config: num_threads must be a positive integer, "
+                                      f"got {self.num_threads!r}", param="deploy_config")
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
             raise InvalidRequestError(f"deploy config: replicas must be a positive integer, got "
                                       f"{self.replicas!r}", param="deploy_config")
         if self.replicas > 1 and self.where == "local":
             raise InvalidRequestError("deploy config: replicas > 1 needs where: process or ray",
                                       param="deploy_config")
+
+
+_FIELDS = tuple(f.name for f in fields(StagePlacement))
+
+
+def _bad(message: str) -> NoReturn:
+    raise InvalidRequestError(f"deploy config: {message}", param="deploy_config")
+
+
+def _kind(value) -> str:
+    """How a YAML value that should be a mapping reads in a message."""
+    return {list: "a list", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _stage_name(name) -> str:
+    if not isinstance(name, str):
+        _bad(f"stage names must be strings, got {name!r}")
+    return name
+
+
+def _placement(name: str, spec) -> StagePlacement:
+    """One stage's entry of 'stages' (None: the defaults) -> its StagePlacement."""
+    spec = {} if spec is None else spec
+    if not isinstance(spec, dict):
+        _bad(f"stages.{name} must be a mapping such as {{where: process}}, got {_kind(spec)}")
+    unknown = set(spec) - set(_FIELDS)
+    if unknown:
+        _bad(f"stages.{name} has unknown keys {sorted(map(str, unknown))}; its keys are "
+             f"{', '.join(_FIELDS)}")
+    return StagePlacement(**spec)
 
 
 @dataclass
@@ -51,20 +88,21 @@ class DeployConfig:
         import yaml
 
         try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
+            raw = yaml.safe_load(Path(path).read_text())
         except (OSError, yaml.YAMLError) as e:
             raise InvalidRequestError(f"cannot read deploy config {path}: {e}", param="deploy_config") from e
-        stages = raw.get("stages") or {}
-        if not isinstance(raw, dict) or not isinstance(stages, dict):
-            raise InvalidRequestError("deploy config: expected a mapping with a 'stages' mapping",
-                                      param="deploy_config")
+        raw = {} if raw is None else raw                  # an empty file: every stage local
+        if not isinstance(raw, dict):
+            _bad(f"{path} must be a mapping with a 'stages' key (stages: {{NAME: {{where: "
+                 f"process}}}}), got {_kind(raw)}")
         unknown = set(raw) - {"stages"}
         if unknown:
-            raise InvalidRequestError(f"deploy config: unknown keys {sorted(unknown)}", param="deploy_config")
-        try:
-            return cls({name: StagePlacement(**(spec or {})) for name, spec in stages.items()})
-        except TypeError as e:
-            raise InvalidRequestError(f"deploy config: {e}", param="deploy_config") from e
+            _bad(f"unknown keys {sorted(map(str, unknown))}; the only key is 'stages'")
+        stages = {} if raw.get("stages") is None else raw["stages"]
+        if not isinstance(stages, dict):
+            _bad(f"'stages' must be a mapping of stage name to placement ({{NAME: {{where: "
+                 f"process}}}}), got {_kind(stages)}")
+        return cls({_stage_name(name): _placement(name, spec) for name, spec in stages.items()})
 
     def check(self, stage_names: list[str]) -> None:
         unknown = set(self.stages) - set(stage_names)

@@ -2,14 +2,24 @@
 CPU), and cache it under `<omnistage cache>/kernels`.
 
 -march=native: the library is built for the CPU it runs on, so the cache key includes that
-CPU's feature flags (a cache dir shared between machines never serves a foreign build)."""
+CPU's feature flags (a cache dir shared between machines never serves a foreign build).
+
+A cached library is code this process loads, so the cache is private: the folder is created
+with mode 0700, and a library is loaded only if it is a regular file of this user that no one
+else may write (otherwise it is rebuilt, and the log says why). A kernel folder of this user
+that others may write is made 0700 again (its libraries are each checked as above); one owned
+by another user is not used: this process builds its kernels in a private temporary folder."""
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import logging
 import os
 import shutil
+import stat
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +30,10 @@ from omnistage.paths import cache_dir
 # -ffp-contract=fast: `acc += a * b` is one fused multiply-add in every kernel and every
 # compiler (GCC's default for GNU C; clang's default fuses only within one expression).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+
+log = logging.getLogger(__name__)
+_private: list[Path] = []            # this process's private build folder, once made
+_private_lock = threading.Lock()
 
 
 class NativeBuildError(RuntimeError):
@@ -58,10 +72,9 @@ def build_library(source: Path, defines: dict[str, int]) -> Path:
         raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
     args = [*FLAGS, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\0".join([source.read_text(), *args, version, _cpu_flags()]).encode())
-    out = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:20]}.so"
-    if out.exists():
+    out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if _loadable(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Built under a private name and renamed: processes and threads building the same
     # library at once never load a half-written file.
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -73,8 +86,68 @@ def build_library(source: Path, defines: dict[str, int]) -> Path:
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise NativeBuildError(f"{cc} could not compile {source.name}: {proc.stderr.strip()[-2000:]}")
-    os.replace(tmp, out)
+    os.chmod(tmp, 0o700)                 # whatever the umask: writable by this user alone
+    os.replace(tmp, out)                 # (replaces a refused library of the same name)
     return out
+
+
+def _library_dir() -> Path:
+    """`<cache>/kernels` (made mode 0700), when it is this user's and no one else may write
+    it; else this process's private temporary folder (logging why)."""
+    folder = cache_dir() / "kernels"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(folder)
+    except OSError as e:
+        return _private_dir(f"kernel cache {folder} cannot be used ({e})")
+    why = _unsafe(st, "a folder", stat.S_ISDIR)
+    if why is None:
+        return folder
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        log.warning("kernel cache %s %s; making it private (mode 0700)", folder, why)
+        try:
+            os.chmod(folder, 0o700)
+            return folder
+        except OSError as e:
+            why = f"{why} and cannot be made private ({e})"
+    return _private_dir(f"kernel cache {folder} {why}")
+
+
+def _loadable(lib: Path) -> bool:
+    """Whether `lib` exists and may be loaded: a regular file (not a link) of this user that
+    no one else may write. A refused one is logged (the caller rebuilds it)."""
+    try:
+        st = os.lstat(lib)
+    except FileNotFoundError:
+        return False
+    why = _unsafe(st, "a regular file", stat.S_ISREG)
+    if why is not None:
+        log.warning("not loading kernel library %s: it %s; rebuilding it", lib, why)
+    return why is None
+
+
+def _unsafe(st: os.stat_result, kind: str, is_kind: Callable[[int], bool]) -> str | None:
+    """Why a cache entry with status `st` must not be trusted, or None."""
+    if not is_kind(st.st_mode):
+        return f"is not {kind}"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_dir(why: str) -> Path:
+    """A folder of this process alone (mode 0700, removed at exit) to build kernels in."""
+    with _private_lock:
+        if not _private:
+            log.warning("%s; building kernels in a private temporary folder instead", why)
+            try:
+                _private.append(Path(tempfile.mkdtemp(prefix="omnistage-kernels-")))
+            except OSError as e:
+                raise NativeBuildError(f"{why}, and no private folder could be made ({e})") from e
+            atexit.register(shutil.rmtree, _private[0], ignore_errors=True)
+        return _private[0]
 
 
 def _cpu_flags() -> str:

@@ -85,11 +85,14 @@ def read_model_index(folder: str | Path) -> dict:
     return index
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, config=None):
+    """The folder's tokenizer. `config`: the model config transformers would otherwise build
+    from config.json just to read the model type (a composite model's full config can be
+    costly or noisy to build; the tokenizer class still comes from tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
     except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path} ({e}); the folder needs "
                              f"tokenizer.json / tokenizer_config.json") from e

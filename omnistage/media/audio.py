@@ -1,8 +1,12 @@
 """Decode request audio to float32 mono at the model's rate.
 
-Containers libsndfile reads (WAV, FLAC, Ogg, AIFF) go through soundfile; everything else (MP3,
-M4A/AAC, WebM/Opus, audio tracks of videos, ...) through FFmpeg (PyAV). Raw PCM16, what the
-OpenAI Realtime API sends (base64, 24 kHz), has its own entry point.
+The container is named from the data's leading bytes (`omnistage.media.container`) and must be
+one of WAV, FLAC, MP3, Ogg (Vorbis, Opus), WebM/Matroska, M4A/MP4 (the audio track of a video
+too) or AIFF; anything else is refused before any decoder sees it. Those libsndfile reads (WAV,
+FLAC, Ogg, AIFF) go through soundfile; the rest, and what libsndfile cannot open, through FFmpeg
+(PyAV) with that container's demuxer pinned: FFmpeg never probes request bytes, so its playlist
+and list demuxers (hls, concat, ...), which open the files or URLs the data names, are never
+used. Raw PCM16, what the OpenAI Realtime API sends (base64, 24 kHz), has its own entry point.
 
 The duration limit is enforced while decoding: reading stops, and InvalidRequestError is
 raised, as soon as one sample more than `max_seconds` has been decoded, so an hour-long upload
@@ -24,9 +28,11 @@ import numpy as np
 import soundfile as sf
 
 from omnistage.errors import InvalidRequestError
+from omnistage.media.container import AUDIO_DEMUXERS, SNIFF_BYTES, open_pinned, reason, sniff
 
-# Leading bytes of the containers libsndfile decodes; the rest goes to FFmpeg.
-_SNDFILE_MAGIC = (b"RIFF", b"RIFX", b"RF64", b"fLaC", b"OggS", b"FORM")
+# The containers (FFmpeg demuxer names) libsndfile decodes; the rest goes to FFmpeg.
+_SNDFILE_FORMATS = ("wav", "flac", "ogg", "aiff")
+_FORMATS_HINT = "wav, flac, ogg/opus, mp3, m4a or webm"
 _READ_BLOCK = 1 << 16          # frames per soundfile read
 _RESAMPLE_BLOCK = 1 << 16      # samples per frame handed to libswresample
 
@@ -53,14 +59,18 @@ def decode_audio(data: AudioSource, *, sample_rate: int = 16000, max_seconds: fl
     """
     _check_rate(sample_rate)
     src = _as_file(data)
-    head = src.read(4)
+    head = src.read(SNIFF_BYTES)
     src.seek(-len(head), io.SEEK_CUR)
     if not head:
         raise InvalidRequestError(f"{param} is empty; send the bytes of an audio file "
-                                  "(wav, flac, ogg, mp3, m4a, ...)", param=param)
-    decoded = _read_sndfile(src, max_seconds, param) if head in _SNDFILE_MAGIC else None
+                                  f"({_FORMATS_HINT})", param=param)
+    fmt = sniff(head)
+    if fmt not in AUDIO_DEMUXERS:
+        raise InvalidRequestError(f"{param} could not be decoded as audio (not a supported "
+                                  f"container); send {_FORMATS_HINT} data", param=param)
+    decoded = _read_sndfile(src, max_seconds, param) if fmt in _SNDFILE_FORMATS else None
     if decoded is None:
-        decoded = _read_ffmpeg(src, max_seconds, param)
+        decoded = _read_ffmpeg(src, fmt, max_seconds, param)
     mono, rate = decoded
     return _finish(mono, rate, sample_rate, param)
 
@@ -176,12 +186,14 @@ def _read_sndfile(src: BinaryIO, max_seconds: float | None,
     return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), rate
 
 
-def _read_ffmpeg(src: BinaryIO, max_seconds: float | None, param: str) -> tuple[np.ndarray, int]:
+def _read_ffmpeg(src: BinaryIO, fmt: str, max_seconds: float | None,
+                 param: str) -> tuple[np.ndarray, int]:
+    """(mono (N,), rate) through FFmpeg's demuxer `fmt` (sniffed; never probed)."""
     try:
-        container = av.open(src, mode="r")
+        container = open_pinned(src, fmt)
     except av.FFmpegError as e:
-        raise InvalidRequestError(f"{param} could not be decoded as audio ({_reason(e)}); "
-                                  "send wav, flac, ogg, mp3 or m4a data", param=param) from None
+        raise InvalidRequestError(f"{param} could not be decoded as audio ({reason(e)}); "
+                                  f"send {_FORMATS_HINT} data", param=param) from None
     with container:
         if not container.streams.audio:
             raise InvalidRequestError(f"{param} has no audio stream; send an audio file",
@@ -239,8 +251,4 @@ def _no_samples(param: str) -> InvalidRequestError:
 
 def _corrupt(param: str, seconds: float, e: Exception) -> InvalidRequestError:
     return InvalidRequestError(f"{param} is corrupt: decoding failed after {seconds:.2f} s "
-                               f"({_reason(e)}); re-encode the file", param=param)
-
-
-def _reason(e: Exception) -> str:
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+                               f"({reason(e)}); re-encode the file", param=param)

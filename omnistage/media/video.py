@@ -7,10 +7,11 @@ frame floor(i * total / n). The source frame count comes from the container head
 where the header lacks it (WebM/MKV), from a demux pass that counts packets without decoding.
 
 Safety: the container is identified from its leading bytes and opened with that demuxer only
-(no probing: FFmpeg's playlist/concat demuxers would otherwise open files or URLs named in the
-data). `VideoLimits` are checked against the header first, then again on every decoded frame
-and audio block, so decoding stops at the first frame over a limit with InvalidRequestError.
-Decoding stops after the last sampled frame unless the audio track is wanted.
+(`omnistage.media.container`; no probing: FFmpeg's playlist/concat demuxers would otherwise
+open files or URLs named in the data). `VideoLimits` are checked against the header first,
+then again on every decoded frame and audio block, so decoding stops at the first frame over
+a limit with InvalidRequestError. Decoding stops after the last sampled frame unless the audio
+track is wanted.
 
 The audio track (for use_audio_in_video) is averaged to mono, then resampled with libswresample,
 the same conventions as `omnistage.media.audio`.
@@ -26,6 +27,7 @@ import numpy as np
 
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import resample
+from omnistage.media.container import SNIFF_BYTES, VIDEO_DEMUXERS, open_pinned, reason, sniff
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,8 @@ def decode_video(data: bytes | bytearray | memoryview, *, sampling: VideoSamplin
     without a video stream, and anything over `limits`.
     """
     data = bytes(data)
-    fmt = _sniff_container(data[:16])
-    if fmt is None:
+    fmt = sniff(data[:SNIFF_BYTES])
+    if fmt not in VIDEO_DEMUXERS:
         raise InvalidRequestError(f"{param} is {'empty' if not data else 'not a supported video'}"
                                   "; send an mp4, mov, webm, mkv or avi file", param=param)
     with _open(data, fmt, param) as container:
@@ -178,7 +180,7 @@ class _Decoder:
                     self.decoded += 1
         except av.FFmpegError as e:
             raise InvalidRequestError(f"{self.param} is corrupt: decoding failed after "
-                                      f"{self.decoded} frames ({_reason(e)}); re-encode the file",
+                                      f"{self.decoded} frames ({reason(e)}); re-encode the file",
                                       param=self.param) from None
         if not frames:
             raise InvalidRequestError(f"{self.param} has no decodable video frames; re-encode "
@@ -220,22 +222,11 @@ class _Decoder:
             self.audio_parts.append(planar.to_ndarray().mean(axis=0, dtype=np.float32))
 
 
-def _sniff_container(head: bytes) -> str | None:
-    """FFmpeg demuxer name for the leading bytes, or None if not a supported container."""
-    if head[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip"):
-        return "mov"                      # MP4, MOV, 3GP, M4V
-    if head[:4] == b"\x1a\x45\xdf\xa3":
-        return "matroska"                 # MKV and WebM
-    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
-        return "avi"
-    return None
-
-
 def _open(data: bytes, fmt: str, param: str) -> av.container.InputContainer:
     try:
-        return av.open(io.BytesIO(data), mode="r", format=fmt)
+        return open_pinned(io.BytesIO(data), fmt)
     except av.FFmpegError as e:
-        raise InvalidRequestError(f"{param} could not be opened as a video ({_reason(e)}); send a "
+        raise InvalidRequestError(f"{param} could not be opened as a video ({reason(e)}); send a "
                                   "complete mp4, mov, webm, mkv or avi file", param=param) from None
 
 
@@ -297,7 +288,7 @@ def _count_frames(container, stream: av.VideoStream, limits: VideoLimits, param:
                     raise _over(param, f"lasts more than {limits.max_seconds:g} s",
                                 f"{limits.max_seconds:g} s")
     except av.FFmpegError as e:
-        raise InvalidRequestError(f"{param} is corrupt ({_reason(e)}); re-encode the file",
+        raise InvalidRequestError(f"{param} is corrupt ({reason(e)}); re-encode the file",
                                   param=param) from None
     return n
 
@@ -305,7 +296,3 @@ def _count_frames(container, stream: av.VideoStream, limits: VideoLimits, param:
 def _over(param: str, what: str, limit: str) -> InvalidRequestError:
     return InvalidRequestError(f"{param} {what}, over the limit of {limit}; send a shorter or "
                                "smaller video", param=param)
-
-
-def _reason(e: Exception) -> str:
-    return getattr(e, "strerror", None) or str(e) or type(e).__name__

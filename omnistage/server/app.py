@@ -1,7 +1,10 @@
 """FastAPI app: OpenAI's chat completions, completions and models routes over AsyncOmni.
 
-Every route checks the API key (when set); every client mistake is a 4xx in OpenAI's error
-JSON; a client that disconnects mid-stream aborts its request in the engine.
+Every route checks the API key (when set) but /health (and /metrics with metrics_auth
+"open"); every client mistake is a 4xx in OpenAI's error JSON; work is admitted at arrival
+under the server's bound (server/admission.py, 429 beyond it); a client that disconnects
+mid-stream aborts its request in the engine; each request leaves one access-log line
+(server/access_log.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
 from omnistage.media.fetch import MediaFetchPolicy
 from omnistage.outputs import Delta
+from omnistage.server.access_log import AccessLogMiddleware, AccessRecord, ResponseEndMiddleware
+from omnistage.server.admission import Admission, AdmissionMiddleware
 from omnistage.server.audio_routes import add_audio_routes
 from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_event, error_response
@@ -44,7 +49,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServerLimits:
     max_body_bytes: int = 16 * 2**20      # request bodies larger than this get 413
-    max_queued_requests: int = 256        # admitted-but-waiting sequences before 429
+    max_queued_requests: int = 256        # requests waiting beyond the seats; more get 429
+    seats: int | None = None              # requests served at once; None: the engine's max_num_seqs
+    metrics_auth: str = "key"             # "key": /metrics asks for the API key; "open": it does not
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
     media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy)  # http(s) media: off by default
     max_video_jobs: int = 32              # video jobs remembered (oldest finished ones forgotten)
@@ -54,11 +61,17 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
               limits: ServerLimits | None = None) -> FastAPI:
     limits = limits or ServerLimits()
     app = FastAPI(title="omnistage", version=__version__)
+    if limits.metrics_auth not in ("key", "open"):
+        raise ValueError(f"metrics_auth must be 'key' or 'open', got {limits.metrics_auth!r}")
     app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
     stats = ServerMetrics()
-    _add_middleware(app, engine, api_key, limits)
+    # read on first use: the app may be built around an engine stand-in that serves nothing
+    admission = Admission(limits.max_queued_requests,
+                          lambda: limits.seats if limits.seats is not None else engine.config.max_num_seqs)
+    app.state.admission = admission      # the Realtime API's responses take tickets too
+    _add_middleware(app, api_key, limits, admission)
     _add_error_handlers(app)
-    _add_info_routes(app, engine, stats, model_name)
+    _add_info_routes(app, engine, stats, model_name, admission)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -87,28 +100,28 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     return app
 
 
-def _add_middleware(app: FastAPI, engine: AsyncOmni, api_key: str | None, limits: ServerLimits) -> None:
-    """Body size bound, CORS, and one HTTP middleware for the API key (every route), the
-    request id, draining (503), the queue bound (429) and last-resort 500s."""
+def _add_middleware(app: FastAPI, api_key: str | None, limits: ServerLimits,
+                    admission: Admission) -> None:
+    """Outermost first: the access log, CORS (preflights are answered before the key is
+    asked for: a browser sends none), one HTTP middleware for the API key, the request id,
+    draining (503) and last-resort 500s, then admission (429), the body size bound, and the
+    access log's watch on responses cut short."""
+    app.add_middleware(ResponseEndMiddleware)      # tells the access log of streams cut short
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
-    if limits.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    open_paths = {"/health"} | ({"/metrics"} if limits.metrics_auth == "open" else set())
 
     @app.middleware("http")
     async def auth_and_request_id(request: Request, call_next):
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = rid
-        if api_key is not None:
+        if api_key is not None and request.url.path not in open_paths:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       code="invalid_api_key", headers={"X-Request-Id": rid})
         if app.state.draining and (request.method == "POST" or request.url.path == "/health"):
             return error_response(503, "the server is shutting down", headers={"X-Request-Id": rid})
-        if request.method == "POST" and engine.num_waiting_requests() >= limits.max_queued_requests:
-            return error_response(429, "too many queued requests; retry shortly",
-                                  headers={"Retry-After": "1", "X-Request-Id": rid})
         try:
             response = await call_next(request)
         except Exception as exc:   # answer here: re-raised errors would reset the connection
@@ -119,6 +132,12 @@ def _add_middleware(app: FastAPI, engine: AsyncOmni, api_key: str | None, limits
                                   headers={"X-Request-Id": rid})
         response.headers["X-Request-Id"] = rid
         return response
+
+    if limits.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id", "Retry-After"])
+    app.add_middleware(AccessLogMiddleware)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -146,7 +165,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, detail)
 
 
-def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, model_name: str) -> None:
+def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, model_name: str,
+                     admission: Admission) -> None:
     created = int(time.time())
 
     @app.get("/health")
@@ -160,7 +180,8 @@ def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(stats.render(engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(stats.render(engine, admission.metrics()),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/version")
     async def version():
@@ -197,7 +218,7 @@ async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, pr
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
     opts = output.options if output is not None else OutputOptions(modalities=["text"])
     deltas = _observed(engine.generate(prompt, params, request_id=rid, output=opts), stats,
-                       time.monotonic())
+                       time.monotonic(), request.state.access)
     first = await anext(deltas)   # errors in the request surface here, before any byte is sent
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
@@ -279,12 +300,13 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
     yield "data: [DONE]\n\n"
 
 
-async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: float
-                    ) -> AsyncIterator[Delta]:
+async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: float,
+                    record: AccessRecord) -> AsyncIterator[Delta]:
     """Records TTFT, TTFA, latency, token counts and audio seconds of one request as its
-    deltas pass."""
+    deltas pass (in the server's metrics and in the request's access-log record)."""
     first_text = first_audio = True
     prompt_tokens = 0
+    record.prompt_tokens, record.completion_tokens = 0, 0
     try:
         async for d in deltas:
             if first_text and d.token_ids:
@@ -295,7 +317,10 @@ async def _observed(deltas: AsyncIterator[Delta], stats: ServerMetrics, t0: floa
                     stats.ttfa.observe(time.monotonic() - t0)
                     first_audio = False
                 stats.audio_seconds += d.audio.size / d.sample_rate
+                record.audio_seconds = (record.audio_seconds or 0.0) + d.audio.size / d.sample_rate
             prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+            record.prompt_tokens = prompt_tokens
+            record.completion_tokens += len(d.token_ids)
             stats.generation_tokens += len(d.token_ids)
             yield d
         stats.latency.observe(time.monotonic() - t0)

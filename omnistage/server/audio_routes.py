@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -18,7 +19,9 @@ from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError, OmniStageError
 from omnistage.media.audio import decode_audio
 from omnistage.media.encode import AudioStreamEncoder, change_speed, content_type, encode_audio
+from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
+from omnistage.server.access_log import AccessRecord
 from omnistage.server.errors import error_event
 from omnistage.server.streams import chain
 
@@ -42,7 +45,8 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechBody, request: Request):
         check_model(body.model)
-        return await _speech(engine, stats, body, f"speech-{request.state.request_id}")
+        return await _speech(engine, stats, body, f"speech-{request.state.request_id}",
+                             request.state.access)
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request, file: UploadFile = File(...), model: str = Form(...),
@@ -62,10 +66,10 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
         ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
             (f" Context: {prompt}" if prompt else "")
         return await _transcribe(engine, data, ask, temperature, language, response_format,
-                                 f"transcribe-{request.state.request_id}")
+                                 f"transcribe-{request.state.request_id}", request.state.access)
 
 
-async def _speech(engine, stats, body: SpeechBody, rid: str):
+async def _speech(engine, stats, body: SpeechBody, rid: str, record: AccessRecord):
     can = engine.abilities
     if not can.audio_output:
         raise InvalidRequestError("this model does not produce speech", param="model")
@@ -83,10 +87,17 @@ async def _speech(engine, stats, body: SpeechBody, rid: str):
                              request_id=rid,
                              output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
     first = await anext(deltas)     # request errors surface before any byte is sent
+    record.audio_seconds = 0.0
+
+    def counted(d) -> None:        # a streamed chunk: into the metrics and the access log
+        stats.audio_seconds += d.audio.size / d.sample_rate
+        record.audio_seconds += d.audio.size / d.sample_rate
+
     if body.stream_format == "sse":
-        return StreamingResponse(_speech_sse(first, deltas), media_type="text/event-stream")
+        return StreamingResponse(_speech_sse(first, deltas, counted), media_type="text/event-stream")
     if body.stream_format == "audio":
-        return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate),
+        return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate,
+                                                counted),
                                  media_type=content_type(body.response_format))
     chunks, rate = [], can.sample_rate
     async for d in chain(first, deltas):
@@ -97,12 +108,13 @@ async def _speech(engine, stats, body: SpeechBody, rid: str):
     if body.speed != 1.0:
         samples = change_speed(samples, rate, body.speed)
     stats.audio_seconds += samples.size / rate
+    record.audio_seconds = samples.size / rate
     return Response(encode_audio(samples, rate, body.response_format),
                     media_type=content_type(body.response_format))
 
 
 async def _transcribe(engine, data: bytes, ask: str, temperature: float, language: str | None,
-                      response_format: str, rid: str):
+                      response_format: str, rid: str, record: AccessRecord):
     # decoded here (off the event loop), so the reply knows the audio's duration
     audio = await asyncio.to_thread(decode_audio, data, param="file",
                                     max_seconds=engine.abilities.max_audio_seconds)
@@ -110,10 +122,13 @@ async def _transcribe(engine, data: bytes, ask: str, temperature: float, languag
                                              {"type": "text", "text": ask}]}]
     t0 = time.monotonic()
     text, duration = "", round(audio.duration, 3)
+    record.audio_seconds, record.completion_tokens = audio.duration, 0    # the audio heard
     try:
         async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
                                        request_id=rid, output=OutputOptions(modalities=["text"])):
             text += d.text
+            record.prompt_tokens = max(record.prompt_tokens or 0, d.num_prompt_tokens)
+            record.completion_tokens += len(d.token_ids)
     except InvalidRequestError as e:
         if e.param == "messages[0].content":    # the uploaded file failed to decode
             raise InvalidRequestError(str(e).replace("messages[0].content", "file"), param="file") from e
@@ -128,10 +143,15 @@ async def _transcribe(engine, data: bytes, ask: str, temperature: float, languag
     return JSONResponse({"text": text})
 
 
-async def _speech_sse(first, deltas):
+def _uncounted(d) -> None:
+    pass
+
+
+async def _speech_sse(first, deltas, counted: Callable[[Delta], None] = _uncounted):
     try:
         async for d in chain(first, deltas):
             if d.audio is not None:
+                counted(d)
                 pcm = encode_audio(d.audio, d.sample_rate, "pcm")
                 yield f"data: {json.dumps({'type': 'speech.audio.delta', 'audio': base64.b64encode(pcm).decode()})}\n\n"
     except OmniStageError as e:   # a stage failed mid-stream: say so instead of a silent end
@@ -140,11 +160,13 @@ async def _speech_sse(first, deltas):
     yield f"data: {json.dumps({'type': 'speech.audio.done'})}\n\n"
 
 
-async def _speech_chunks(first, deltas, fmt: str, sample_rate: int):
+async def _speech_chunks(first, deltas, fmt: str, sample_rate: int,
+                         counted: Callable[[Delta], None] = _uncounted):
     enc, done = AudioStreamEncoder(fmt, sample_rate), False
     try:
         async for d in chain(first, deltas):
             if d.audio is not None:
+                counted(d)
                 out = enc.push(d.audio)
                 if out:
                     yield out

@@ -49,8 +49,10 @@ class ServerMetrics:
     generation_tokens: int = 0
     audio_seconds: float = 0.0
 
-    def render(self, engine) -> str:
-        values = engine.metrics() + [
+    def render(self, engine, server: list[tuple[str, str, str, float]] = ()) -> str:
+        """The exposition: the engine's metrics, the server's own (`server`: admission), the
+        routes' counters and histograms."""
+        values = engine.metrics() + list(server) + [
             ("omnistage_prompt_tokens_total", "counter", "prompt tokens of served requests", self.prompt_tokens),
             ("omnistage_generation_tokens_total", "counter", "tokens generated for served requests",
              self.generation_tokens),

@@ -10,7 +10,9 @@ running response: interrupt_response), speech_stopped, the turn committed as a u
 response (create_response).
 
 Client mistakes become `error` events (type invalid_request_error, with the offending event's
-id) and the session carries on; a refused handshake (key, model, draining, image models) is an
+id) and the session carries on: an unknown session.update key (code unknown_parameter), or an
+event over MAX_EVENT_BYTES (15 MiB; `omnistage serve` lets the WebSocket take messages up to
+WS_MAX_MESSAGE_BYTES, so these reach us instead of closing with 1009); a refused handshake (key, model, draining, image models) is an
 HTTP error in OpenAI's JSON.
 """
 
@@ -32,11 +34,12 @@ from omnistage.media.encode import encode_audio
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
-from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig, appended_pcm,
-                                              audio_part, check_room, default_config, error_json,
-                                              insert_position, model_abilities, new_id, parse_item,
-                                              response_config, response_json, update_config,
-                                              usage_json)
+from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig,
+                                              UnknownParameterError, appended_pcm, audio_part,
+                                              check_event_size, check_room, default_config,
+                                              error_json, insert_position, model_abilities,
+                                              new_id, parse_item, response_config, response_json,
+                                              update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
 from omnistage.server.vad import InputAudioBuffer, VadEvent
 
@@ -158,6 +161,7 @@ class RealtimeSession:
             if not isinstance(event, dict):
                 raise InvalidRequestError("an event must be a JSON object with a 'type'")
             event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            check_event_size(len(text), event.get("type"))
             handler = self._handlers.get(event.get("type"))
             if handler is None:
                 raise InvalidRequestError(
@@ -165,11 +169,12 @@ class RealtimeSession:
                     f"{', '.join(self._handlers)}", param="type")
             await handler(event)
         except InvalidRequestError as e:
-            await self.send(error_json(str(e), e.param, "invalid_value", event_id))
+            code = "unknown_parameter" if isinstance(e, UnknownParameterError) else "invalid_value"
+            await self.send(error_json(str(e), e.param, code, event_id))
 
     # ---- session and input audio ------------------------------------------------------------
     async def _session_update(self, event: dict) -> None:
-        self.cfg = update_config(self.cfg, event.get("session"), self.model)
+        self.cfg = update_config(self.cfg, event.get("session"), self.model, self.model_name)
         td = self.cfg.turn_detection
         if self.buffer.set_detector(None if td is None else td.vad):
             self.turn_item = None
@@ -258,14 +263,17 @@ class RealtimeSession:
         if not self.conv.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
-        if self.engine.num_waiting_requests() >= self.max_queued:
-            await self.send(error_json("too many queued requests; retry shortly",
-                                       code="rate_limit_exceeded", kind="rate_limit_error",
-                                       event_id=event_id))
+        # the HTTP routes' bound (server/admission.py): the response holds a ticket until done
+        admission = self.ws.app.state.admission
+        ticket = admission.try_acquire()
+        if ticket is None:
+            await self.send(error_json(admission.refusal_message(), code="rate_limit_exceeded",
+                                       kind="rate_limit_error", event_id=event_id))
             return
         r = _Response(new_id("resp"), cfg)
         self.active = r
         r.task = asyncio.create_task(self._respond(r, self.conv.messages(cfg.instructions)))
+        r.task.add_done_callback(lambda _task: ticket.release())
 
     async def _response_cancel(self, event: dict) -> None:
         r = self.active

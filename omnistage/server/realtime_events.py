@@ -9,10 +9,17 @@ Turn detection: new sessions have none (`turn_detection: null`), unlike OpenAI's
 to server_vad. The models served here may be random tiny ones and the VAD is a plain energy
 detector (server/vad.py), so a client that wants the server to cut turns opts in with
 session.update; `server_vad` is served, `semantic_vad` (a model of its own) is not.
+
+session.update is strict: a key the GA session object lacks, at any level read here (a typo,
+or the beta layout's `session.turn_detection`), is an error naming it (code unknown_parameter,
+param e.g. "session.foo"), and so is a value of a GA field not served here (tools, tracing...);
+a refused update changes nothing. Client events are bounded at MAX_EVENT_BYTES (see there).
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 import uuid
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +35,50 @@ PCM_FORMAT = {"type": "audio/pcm", "rate": PCM_RATE}
 DEFAULT_TEMPERATURE = 0.8     # the beta API's default; GA sessions have no temperature field
 DEFAULT_MAX_AUDIO_SECONDS = 300.0   # models without their own media limits
 MAX_ITEMS = 1024              # conversation items kept per session
+# One client event's bound, as OpenAI's for an input_audio_buffer.append ("up to 15 MiB"):
+# larger events are answered with an error event. The WebSocket itself takes messages up to
+# WS_MAX_MESSAGE_BYTES (uvicorn's ws_max_size, set by `omnistage serve`), so that an oversized
+# append gets that error, not a close; only past it the WebSocket layer closes with 1009.
+MAX_EVENT_BYTES = 15 * 2**20
+WS_MAX_MESSAGE_BYTES = 32 * 2**20
+
+# The GA session object's keys (openai/types/realtime/realtime_session_create_request_param.py),
+# and `temperature` (an extension: the beta field)
+SESSION_KEYS = ("type", "model", "instructions", "output_modalities", "max_output_tokens",
+                "audio", "tools", "tool_choice", "parallel_tool_calls", "tracing", "truncation",
+                "include", "prompt", "reasoning", "temperature")
+# beta-layout session keys, and where the GA API puts them
+BETA_SESSION_KEYS = {"modalities": "session.output_modalities",
+                     "voice": "session.audio.output.voice",
+                     "speed": "session.audio.output.speed",
+                     "input_audio_format": "session.audio.input.format",
+                     "output_audio_format": "session.audio.output.format",
+                     "input_audio_transcription": "session.audio.input.transcription",
+                     "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+                     "turn_detection": "session.audio.input.turn_detection",
+                     "max_response_output_tokens": "session.max_output_tokens"}
+SERVER_VAD_KEYS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms",
+                   "create_response", "interrupt_response", "idle_timeout_ms")
+# GA session fields not served here: the values that mean "none of it" (what session.created
+# reports), and why others are refused
+UNSERVED_SESSION_FIELDS = {
+    "tools": ((None, []), "tools (function calling) are not supported"),
+    "tool_choice": ((None, "auto", "none"), "tools (function calling) are not supported"),
+    "parallel_tool_calls": ((None, True, False), "session.parallel_tool_calls must be a boolean"),
+    "tracing": ((None,), "tracing is not supported"),
+    "truncation": ((None, "disabled"), "truncation is not supported (a conversation that "
+                                       "outgrows the context window fails its response)"),
+    "include": ((None, []), "input audio transcription (and its logprobs) is not supported"),
+    "prompt": ((None,), "stored prompts are not supported"),
+    "reasoning": ((None,), "reasoning settings are not supported"),
+}
+
+
+class UnknownParameterError(InvalidRequestError):
+    """A key the GA session object does not have (OpenAI's error code: unknown_parameter)."""
+
+    def __init__(self, param: str, hint: str = ""):
+        super().__init__(f"Unknown parameter: '{param}'.{hint}", param=param)
 
 
 def new_id(prefix: str) -> str:
@@ -81,14 +132,19 @@ def default_config(model: ModelAbilities) -> SessionConfig:
                          voice=model.speakers[0] if speaks else None)
 
 
-def update_config(cfg: SessionConfig, session, model: ModelAbilities) -> SessionConfig:
-    """session.update's `session` applied over `cfg` (a new object; `cfg` is untouched)."""
+def update_config(cfg: SessionConfig, session, model: ModelAbilities,
+                  served_model: str) -> SessionConfig:
+    """session.update's `session` applied over `cfg` (a new object; `cfg` is untouched). Keys
+    the GA session object lacks, at every level read here, are refused (UnknownParameterError),
+    as are values of GA fields this server does not serve (tools, tracing, ...)."""
     if not isinstance(session, dict):
         raise InvalidRequestError("session must be an object", param="session")
+    check_keys(session, SESSION_KEYS, "session", BETA_SESSION_KEYS)
     if session.get("type", "realtime") != "realtime":
         raise InvalidRequestError("only 'realtime' sessions are served; set session.type to "
                                   "'realtime' (transcription sessions are not supported)",
                                   param="session.type")
+    _check_unserved(session, served_model)
     out = replace(cfg, output_modalities=list(cfg.output_modalities))
     if "instructions" in session:
         out.instructions = _string(session["instructions"], "session.instructions")
@@ -104,24 +160,65 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities) -> Session
             raise InvalidRequestError("session.temperature must be a number in [0, 2]",
                                       param="session.temperature")
         out.temperature = float(t)
-    audio = _object(session.get("audio"), "session.audio")
+    _apply_audio(out, _object(session.get("audio"), "session.audio"), model)
+    return out
+
+
+def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities) -> None:
+    """session.audio (input and output) applied over `out`."""
+    check_keys(audio, ("input", "output"), "session.audio")
     inp = _object(audio.get("input"), "session.audio.input")
     output = _object(audio.get("output"), "session.audio.output")
+    check_keys(inp, ("format", "noise_reduction", "transcription", "turn_detection"),
+               "session.audio.input")
+    check_keys(output, ("format", "speed", "voice"), "session.audio.output")
     for side, part in (("input", inp), ("output", output)):
         if "format" in part:
             check_format(part["format"], f"session.audio.{side}.format")
     if "turn_detection" in inp:
-        out.turn_detection = parse_turn_detection(inp["turn_detection"])
-    if inp.get("transcription") is not None:
-        raise InvalidRequestError("input audio transcription is not supported; set "
-                                  "session.audio.input.transcription to null",
-                                  param="session.audio.input.transcription")
+        td = inp["turn_detection"]
+        if isinstance(td, dict) and td.get("type") == "server_vad":
+            check_keys(td, SERVER_VAD_KEYS, "session.audio.input.turn_detection")
+        out.turn_detection = parse_turn_detection(td)
+    for name in ("transcription", "noise_reduction"):
+        if inp.get(name) is not None:
+            raise InvalidRequestError(f"input audio {name.replace('_', ' ')} is not supported; "
+                                      f"set session.audio.input.{name} to null",
+                                      param=f"session.audio.input.{name}")
     if output.get("speed", 1.0) != 1.0:
         raise InvalidRequestError("session.audio.output.speed must be 1.0",
                                   param="session.audio.output.speed")
     if "voice" in output:
         out.voice = check_voice(output["voice"], model, "session.audio.output.voice")
-    return out
+
+
+def _check_unserved(session: dict, served_model: str) -> None:
+    """GA session fields this server does not serve: only their neutral values pass."""
+    if "model" in session and session["model"] != served_model:
+        raise InvalidRequestError(f"this server serves {served_model!r}; set session.model to "
+                                  "that or drop it", param="session.model")
+    for key, (accepted, why) in UNSERVED_SESSION_FIELDS.items():
+        if key in session and not any(session[key] == a and type(session[key]) is type(a)
+                                      for a in accepted):
+            shown = " or ".join(json.dumps(a) for a in accepted if a is not None)
+            raise InvalidRequestError(f"{why}; drop session.{key}"
+                                      + (f" or set it to {shown}" if shown else ""),
+                                      param=f"session.{key}")
+
+
+def check_keys(obj: dict, allowed, param: str, moved: dict[str, str] | None = None) -> None:
+    """Refuses the first key of `obj` (the object at `param`) that is not in `allowed`; `moved`
+    maps beta-layout keys to where the GA API puts them, for the hint."""
+    moved = moved or {}
+    for key in obj:
+        if key in allowed:
+            continue
+        if key in moved:
+            hint = f" That is the beta layout; the GA API puts it at {moved[key]}."
+        else:
+            close = difflib.get_close_matches(str(key), [*allowed, *moved], n=1, cutoff=0.75)
+            hint = f" Did you mean {moved.get(close[0], f'{param}.{close[0]}')}?" if close else ""
+        raise UnknownParameterError(f"{param}.{key}", hint)
 
 
 def response_config(session: SessionConfig, body, model: ModelAbilities) -> SessionConfig:
@@ -166,6 +263,7 @@ def check_modalities(mods, model: ModelAbilities, param: str) -> list[str]:
 
 def check_voice(voice, model: ModelAbilities, param: str) -> str:
     if isinstance(voice, dict):
+        check_keys(voice, ("id",), param)
         voice = voice.get("id")
     if not model.speakers:
         raise InvalidRequestError("this model does not speak; drop the voice", param=param)
@@ -177,6 +275,8 @@ def check_voice(voice, model: ModelAbilities, param: str) -> str:
 
 def check_format(fmt, param: str) -> None:
     """Only 24 kHz pcm16 ("audio/pcm"; the beta's "pcm16" is accepted too)."""
+    if isinstance(fmt, dict):
+        check_keys(fmt, ("type", "rate"), param)
     ok = fmt == "pcm16" or (isinstance(fmt, dict) and fmt.get("type") == "audio/pcm"
                             and fmt.get("rate", PCM_RATE) == PCM_RATE)
     if not ok:
@@ -303,6 +403,18 @@ def check_room(items: list[Item], item: Item, model: ModelAbilities) -> None:
         raise InvalidRequestError(
             f"the conversation's audio would exceed {model.max_audio_seconds:g} s; "
             "start a new session", param="item")
+
+
+def check_event_size(size: int, kind) -> None:
+    """Refuses a client event of `size` characters (JSON text) over MAX_EVENT_BYTES."""
+    if size <= MAX_EVENT_BYTES:
+        return
+    seconds = MAX_EVENT_BYTES * 3 // 4 // 2 // PCM_RATE     # base64 of pcm16 at 24 kHz
+    raise InvalidRequestError(
+        f"this event is {size / 2**20:.1f} MiB; a client event may carry at most "
+        f"{MAX_EVENT_BYTES // 2**20} MiB (one input_audio_buffer.append: about {seconds} s of "
+        "24 kHz pcm16): send the audio in smaller appends, e.g. 100 ms each (this event was "
+        "dropped)", param="audio" if kind == "input_audio_buffer.append" else None)
 
 
 def appended_pcm(event: dict, model: ModelAbilities) -> bytes:

@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 FINISHED = ("completed", "failed")
 
 
+def seconds_of(num_frames: int, fps: int) -> str:
+    """A video's `seconds` as this API reports them (a string): the time from its first frame
+    to its last, (frames - 1) / fps, the inverse of the request's seconds * fps + 1 frames."""
+    return f"{(num_frames - 1) / fps:g}"
+
+
 def api_param(param: str | None) -> str | None:
     """The engine's name for a request field -> this API's (its input image is `input_reference`)."""
     return "input_reference" if param == "image" else param
@@ -38,7 +44,8 @@ class VideoJob:
     model: str
     prompt: str
     size: str                     # "WxH" the job runs at
-    seconds: str                  # duration as OpenAI reports it (a string)
+    seconds: str                  # duration as OpenAI reports it (a string): seconds_of(num_frames, fps)
+    num_frames: int               # frames the job renders (once completed: the MP4's)
     fps: int
     seed: int
     created_at: int
@@ -50,12 +57,12 @@ class VideoJob:
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
-        """OpenAI's Video object (plus the extension fields fps and seed)."""
+        """OpenAI's Video object (plus the extension fields num_frames, fps and seed)."""
         return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,
                 "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": None, "model": self.model, "prompt": self.prompt, "size": self.size,
                 "seconds": self.seconds, "error": self.error, "remixed_from_video_id": None,
-                "fps": self.fps, "seed": self.seed}
+                "num_frames": self.num_frames, "fps": self.fps, "seed": self.seed}
 
 
 class VideoJobs:
@@ -65,13 +72,21 @@ class VideoJobs:
         self.engine, self.max_kept = engine, max_kept
         self._jobs: OrderedDict[str, VideoJob] = OrderedDict()     # creation order
 
-    def start(self, model: str, prompt, params: DiffusionParams, seconds: str) -> VideoJob:
+    def start(self, model: str, prompt, params: DiffusionParams,
+              seconds: str | None = None) -> VideoJob:
         """Register a job for `prompt` (a string or {"prompt", "image"}) with resolved `params`
-        (size, frames and seed filled in) and start it."""
+        (size, frames and seed filled in) and start it. Its `seconds` are those of its frames;
+        a caller's own figure, if given, must be the same (a job never reports a duration it
+        does not render)."""
         text = prompt if isinstance(prompt, str) else prompt["prompt"]
+        derived = seconds_of(params.num_frames, params.fps)
+        if seconds is not None and seconds != derived:
+            raise ValueError(f"seconds {seconds!r} disagree with {params.num_frames} frames at "
+                             f"{params.fps} fps ({derived!r})")
         job = VideoJob(id=f"video_{uuid.uuid4().hex}", model=model, prompt=text,
-                       size=f"{params.width}x{params.height}", seconds=seconds, fps=params.fps,
-                       seed=params.seed, created_at=int(time.time()))
+                       size=f"{params.width}x{params.height}", seconds=derived,
+                       num_frames=params.num_frames, fps=params.fps, seed=params.seed,
+                       created_at=int(time.time()))
         self._jobs[job.id] = job
         job.task = asyncio.create_task(self._run(job, prompt, params), name=job.id)
         self._evict()
@@ -117,7 +132,11 @@ class VideoJobs:
                 await deltas.aclose()
             if video is None:
                 raise RuntimeError("the video request ended without a result")
-            job.mp4 = await asyncio.to_thread(encode_mp4, to_uint8(video), job.fps)
+            frames = to_uint8(video)                      # (F, H, W, 3)
+            job.mp4 = await asyncio.to_thread(encode_mp4, frames, job.fps)
+            # What the MP4 holds, should the model have rendered other than was asked.
+            job.num_frames, job.seconds = len(frames), seconds_of(len(frames), job.fps)
+            job.size = f"{frames.shape[2]}x{frames.shape[1]}"
             job.status, job.progress = "completed", 100
         except asyncio.CancelledError:
             raise

@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import InvalidRequestError
 from omnistage.media.image import parse_data_url
+from omnistage.server.admission import Ticket
 from omnistage.server.errors import error_response
 from omnistage.server.image_protocol import VideoRequest, validated
 from omnistage.server.image_routes import form_fields, read_upload, require_diffusion
@@ -47,7 +48,7 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
         if body.model is not None:
             check_model(body.model)
         require_diffusion(engine, video=True)
-        return await _start(engine, jobs, model_name, body, reference)
+        return await _start(engine, jobs, model_name, body, reference, request.state.admission)
 
     @app.get("/v1/videos")
     async def list_videos(limit: int = Query(20, ge=1, le=100),
@@ -87,8 +88,10 @@ def add_video_routes(app: FastAPI, engine: AsyncOmni, model_name: str,
 
 
 async def _start(engine: AsyncOmni, jobs: VideoJobs, model_name: str, body: VideoRequest,
-                 reference: bytes | None) -> dict:
-    """Check and resolve the request (the input image decoded), then start its job."""
+                 reference: bytes | None, ticket: Ticket) -> dict:
+    """Check and resolve the request (the input image decoded), then start its job, which
+    takes the request's admission ticket over: it holds its place until it ends (completed,
+    failed, or cancelled by DELETE), not just until this response."""
     params = body.params(engine.abilities.max_frames)
     prompt = {"prompt": body.prompt, "image": [reference]} if reference is not None else body.prompt
     try:
@@ -96,10 +99,12 @@ async def _start(engine: AsyncOmni, jobs: VideoJobs, model_name: str, body: Vide
         resolved = engine.resolve(prepared, params)   # defaults, limits, seed
     except InvalidRequestError as e:   # named as this API names the field (input_reference)
         raise InvalidRequestError(str(e), param=api_param(e.param)) from None
-    seconds = (f"{body.duration():g}" if body.seconds is not None
-               else f"{(resolved.num_frames - 1) / resolved.fps:g}")
+    # The job reports the seconds of the frames it renders (seconds_of), not the request's.
     decoded = {"prompt": prepared.text, "image": prepared.images} if prepared.images else prepared.text
-    return jobs.start(model_name, decoded, resolved, seconds).to_json()
+    job = jobs.start(model_name, decoded, resolved)
+    held = ticket.hand_over()
+    job.task.add_done_callback(lambda _task: held.release())
+    return job.to_json()
 
 
 def _page(kept: list[VideoJob], limit: int, order: str, after: str | None) -> dict:

@@ -202,3 +202,82 @@ def test_file_objects_are_accepted():
     x = _sine(440, 16000, 0.25)
     out = decode_audio(io.BytesIO(_soundfile_bytes(x, 16000, "FLAC")))
     np.testing.assert_allclose(out.samples, x, atol=1 / 32768)
+
+
+# ---- the container is sniffed and its demuxer pinned: no FFmpeg probing ----------------------
+
+@pytest.mark.parametrize("kind, container, codec", [
+    ("wav", "wav", "pcm_s16le"),
+    ("flac", "flac", "flac"),
+    ("mp3", "mp3", "libmp3lame"),
+    ("ogg/opus", "ogg", "libopus"),
+    ("webm", "webm", "libopus"),
+    ("mka", "matroska", "flac"),
+    ("m4a", "ipod", "aac"),
+    ("mp4", "mp4", "aac"),
+])
+def test_every_allowed_container_decodes_through_its_pinned_demuxer(kind, container, codec):
+    """Each container of the allow-list, written by FFmpeg (PyAV), decodes: the ones libsndfile
+    reads too (wav, flac, ogg) as well as those only FFmpeg reads."""
+    x = _sine(1000, 16000, 1.0)
+    out = decode_audio(_ffmpeg_bytes(x, 16000, container, codec), param="file")
+    assert out.duration == pytest.approx(1.0, abs=0.1)              # codecs add priming/padding
+    assert _peak_hz(out.samples, 16000) == pytest.approx(1000, abs=2)
+    assert np.sqrt(np.mean(out.samples ** 2)) == pytest.approx(0.5 / np.sqrt(2), rel=0.1)
+
+
+def test_ogg_vorbis_decodes():
+    """Ogg/Vorbis, written by libsndfile (this PyAV build has no Vorbis encoder)."""
+    import io
+
+    import soundfile as sf
+
+    x = _sine(1000, 16000, 1.0)
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="OGG", subtype="VORBIS")
+    out = decode_audio(buf.getvalue(), param="file")
+    assert out.duration == pytest.approx(1.0, abs=0.1)
+    assert _peak_hz(out.samples, 16000) == pytest.approx(1000, abs=2)
+
+
+def test_the_ffmpeg_fallback_of_a_sniffed_wav_is_pinned_too():
+    """A WAV libsndfile cannot decode (an MP3 stream in a RIFF/WAVE box) goes to FFmpeg, still
+    read by the wav demuxer alone."""
+    x = _sine(1000, 16000, 1.0)
+    out = decode_audio(_ffmpeg_bytes(x, 16000, "wav", "libmp3lame"))
+    assert _peak_hz(out.samples, 16000) == pytest.approx(1000, abs=2)
+
+
+def _playlists(tmp_path) -> dict[str, bytes]:
+    """Lists FFmpeg's probing would open as hls / concat, each naming a local file."""
+    local = tmp_path / "local.wav"
+    local.write_bytes(_soundfile_bytes(_sine(440, 16000, 1.0), 16000, "WAV"))
+    return {
+        "hls": (f"#EXTM3U\n#EXT-X-VERSION:3\n#EXT-X-TARGETDURATION:1\n#EXTINF:1.0,\n{local}\n"
+                "#EXT-X-ENDLIST\n").encode(),
+        "ffconcat": b"ffconcat version 1.0\nfile '/etc/hostname'\n",
+        "ffconcat-wav": f"ffconcat version 1.0\nfile '{local}'\n".encode(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["hls", "ffconcat", "ffconcat-wav"])
+def test_playlists_and_concat_lists_are_refused(tmp_path, kind):
+    data = _playlists(tmp_path)[kind]
+    with pytest.raises(InvalidRequestError, match="not a supported container") as e:
+        decode_audio(data, param="file")
+    assert e.value.param == "file"
+    with pytest.raises(InvalidRequestError, match="not a supported container"):
+        decode_audio(io.BytesIO(data), param="file")                   # a file object too
+
+
+def test_an_hls_playlist_would_have_opened_the_local_file(tmp_path):
+    """What the pinning prevents: left to probe, FFmpeg reads the playlist as hls and decodes
+    the file it names (skipped where this FFmpeg build refuses that by itself)."""
+    data = _playlists(tmp_path)["hls"]
+    try:
+        with av.open(io.BytesIO(data), mode="r") as probed:
+            fmt = probed.format.name
+            decoded = sum(f.samples for f in probed.decode(audio=0))
+    except (av.FFmpegError, IndexError):
+        pytest.skip("this FFmpeg does not open the named file on its own")
+    assert "hls" in fmt and decoded > 0

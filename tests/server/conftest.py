@@ -29,14 +29,18 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, *extra_args: str):
-    """Start the server, wait (bounded) until /health is 200, yield a ServerProcess, stop it."""
+def running_server(model_dir: str, *extra_args: str, key_args: tuple[str, ...] = ("--api-key", API_KEY),
+                   env: dict[str, str] | None = None, log_level: str = "warning"):
+    """Start the server, wait (bounded) until /health is 200, yield a ServerProcess, stop it.
+    `key_args` give the key (default `--api-key API_KEY`), `env` adds environment variables;
+    with `log_level` info the process's output (proc.stdout, read once it stopped) has the
+    access log."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnistage.cli", "serve", model_dir, "--port", str(port),
-         "--served-model-name", "tiny", "--api-key", API_KEY, "--block-size", "4",
-         "--num-threads", "1", "--log-level", "warning", *extra_args],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+         "--served-model-name", "tiny", *key_args, "--block-size", "4",
+         "--num-threads", "1", "--log-level", log_level, *extra_args],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

@@ -151,12 +151,20 @@ def test_oversized_body_is_413(server, api_key):
 
 
 def test_queue_bound_gives_429_with_retry_after(tiny_qwen2, api_key, start_server):
-    with start_server(tiny_qwen2, "--max-queued-requests", "0") as running:
+    """One seat, no waiting line: while a stream holds the seat, the next request gets 429."""
+    auth = {"Authorization": f"Bearer {api_key}"}
+    # ~1500 tokens: seconds on the tiny model, against milliseconds for the refused request
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    with start_server(tiny_qwen2, "--max-num-seqs", "1", "--max-queued-requests", "0") as running:
         client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0)
-        with pytest.raises(openai.RateLimitError) as e:
-            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
-        assert e.value.response.headers["retry-after"] == "1"
-        assert [m.id for m in client.models.list().data] == ["tiny"]   # GETs still served
+        with httpx.stream("POST", f"{running.base}/v1/chat/completions", json=body, headers=auth,
+                          timeout=60) as held:
+            assert held.status_code == 200
+            next(line for line in held.iter_lines() if line)      # the stream is running
+            with pytest.raises(openai.RateLimitError) as e:
+                client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+            assert e.value.response.headers["retry-after"] == "1"
+            assert [m.id for m in client.models.list().data] == ["tiny"]   # GETs still served
 
 
 def test_sigterm_drains_in_flight_then_exits(tiny_qwen2, api_key, start_server):

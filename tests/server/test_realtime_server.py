@@ -411,3 +411,83 @@ def test_kept_assistant_audio_is_bounded():
     assert e.value.param == "item_id"
     conv.truncate("item_1", 0, 100)                  # all of what is kept: allowed
     assert new.parts[0].text == "" and len(new.parts[0].pcm) == 2 * 2400
+
+
+def _text_exchange(conn, text: str = "Hi") -> object:
+    """A normal turn on a session: a text item, a short text response; its response.done."""
+    _say(conn, text)
+    conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 2})
+    return _until(conn, "response.done")[-1].response
+
+
+def test_unknown_session_keys_are_named_and_the_session_continues(client):
+    cases = [  # (session.update's session, the param named, a part of the message)
+        ({"foo": 1}, "session.foo", "Unknown parameter: 'session.foo'"),
+        ({"turn_detectoin": {"type": "server_vad"}}, "session.turn_detectoin",
+         "Did you mean session.audio.input.turn_detection?"),
+        ({"turn_detection": {"type": "semantic_vad"}}, "session.turn_detection",
+         "beta layout; the GA API puts it at session.audio.input.turn_detection"),
+        ({"voice": "Chelsie"}, "session.voice", "session.audio.output.voice"),
+        ({"audio": {"inputs": {}}}, "session.audio.inputs", "Did you mean session.audio.input?"),
+        ({"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_ms": 300}}}},
+         "session.audio.input.turn_detection.silence_ms", "Unknown parameter"),
+        ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000, "channels": 1}}}},
+         "session.audio.input.format.channels", "Unknown parameter"),
+        ({"audio": {"output": {"voice": {"id": "Chelsie", "name": "c"}}}},
+         "session.audio.output.voice.name", "Unknown parameter"),
+    ]
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        for i, (session, param, message) in enumerate(cases):
+            conn.session.update(session={"type": "realtime", "instructions": "Changed.",
+                                         "output_modalities": ["text"], **session},
+                                event_id=f"ev{i}")
+            err = _until(conn, "error")[-1].error
+            assert (err.param, err.code, err.event_id) == (param, "unknown_parameter", f"ev{i}")
+            assert message in err.message, err.message
+        err = _error(conn, type="session.update", session={"type": "realtime", "tools": [
+            {"type": "function", "name": "f", "parameters": {}}]})
+        assert err.param == "session.tools" and err.code == "invalid_value"
+        assert "not supported" in err.message
+        # nothing of the refused updates applied, and the session still serves
+        conn.session.update(session={"type": "realtime", "max_output_tokens": 4})
+        session = _until(conn, "session.updated")[-1].session
+        assert session.instructions == "" and session.output_modalities == ["audio"]
+        assert session.audio.input.turn_detection is None
+        done = _text_exchange(conn)
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 2
+
+
+def test_oversized_append_is_an_error_event_and_the_session_continues(client):
+    """19 MB (over the 15 MiB event bound, and over uvicorn's default 16 MiB message size, which
+    closed the socket with 1009): an error event; the buffer keeps only the later appends."""
+    pcm = _pcm16_tone(0.5)
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        conn.input_audio_buffer.append(audio="A" * 19_000_000, event_id="ev_big")  # zeros
+        err = _until(conn, "error")[-1].error
+        assert (err.param, err.event_id, err.code) == ("audio", "ev_big", "invalid_value")
+        assert "at most 15 MiB" in err.message and "smaller appends" in err.message
+        conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        conn.input_audio_buffer.commit()
+        item_id = _until(conn, "conversation.item.done")[-1].item.id
+        conn.conversation.item.retrieve(item_id=item_id)
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+        assert abs(len(base64.b64decode(got.content[0].audio)) - len(pcm)) <= 96  # not the 19 MB
+        conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 2})
+        done = _until(conn, "response.done")[-1].response
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 2
+
+
+def test_the_reported_session_is_a_valid_update():
+    """No server: session.created's session (less its read-only id and object) passes
+    session.update's checks unchanged, also with server_vad on."""
+    from omnistage.server.realtime_events import (ModelAbilities, TurnDetection, default_config,
+                                                  update_config)
+
+    model = ModelAbilities(speakers=["Chelsie"], hears_audio=True, max_audio_seconds=300)
+    for td in (None, TurnDetection()):
+        cfg = default_config(model)
+        cfg.turn_detection = td
+        shown = {k: v for k, v in cfg.to_json("sess_1", "tiny").items() if k not in ("id", "object")}
+        assert update_config(cfg, shown, model, "tiny") == cfg

@@ -176,3 +176,40 @@ def test_other_endpoints_point_to_videos(client):
         client.images.generate(prompt="x", size="32x32")
     with pytest.raises(openai.BadRequestError, match="/v1/videos"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+def _json(base: str, key: str, video_id: str) -> dict:
+    r = httpx.get(f"{base}/v1/videos/{video_id}", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_seconds_and_num_frames_that_disagree_are_a_400(video_server, api_key):
+    # The issue's case: seconds "4" with num_frames 5 made a 5-frame MP4 of 0.31 s reported as 4 s.
+    for fields in ({"seconds": "4", "num_frames": 5}, {"seconds": "1", "fps": 8, "num_frames": 5}):
+        r = httpx.post(f"{video_server}/v1/videos", json={"prompt": "x", "size": "32x32", **fields},
+                       headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "num_frames"
+        assert "contradicts seconds" in error["message"] and "send one of them" in error["message"]
+
+
+def test_the_job_reports_the_seconds_it_renders(client, video_server, api_key):
+    """seconds and num_frames that agree are served; a job of num_frames alone reports the
+    seconds of those frames at its fps ((frames - 1) / fps), before and after rendering."""
+    agree = client.videos.create(prompt="rain", size="32x32", seconds="1",
+                                 extra_body={**FAST, "fps": 8, "num_frames": 9})
+    frames_only = client.videos.create(prompt="rain", size="32x32",
+                                       extra_body={**FAST, "num_frames": 5})       # fps 16
+    assert agree.seconds == "1" and frames_only.seconds == "0.25"
+    for video, frames, fps, seconds in ((agree, 9, 8, "1"), (frames_only, 5, 16, "0.25")):
+        assert _json(video_server, api_key, video.id)["num_frames"] == frames
+        done, _ = _wait(client, video.id)
+        assert done.status == "completed", done.error
+        job = _json(video_server, api_key, video.id)
+        assert (job["seconds"], job["num_frames"], job["fps"]) == (seconds, frames, fps)
+        mp4 = client.videos.download_content(video.id).content
+        assert _frames(mp4).shape[0] == frames
+        with av.open(io.BytesIO(mp4)) as box:
+            assert box.streams.video[0].average_rate == fps

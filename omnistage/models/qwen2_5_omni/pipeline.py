@@ -19,12 +19,12 @@ from omnistage.config import EngineConfig
 from omnistage.engine_api import EngineAbilities, OutputOptions
 from omnistage.errors import InvalidRequestError
 from omnistage.graph_pipeline import GraphPipeline
-from omnistage.layers.checkpoint import load_tokenizer, read_config
+from omnistage.layers.checkpoint import read_config
 from omnistage.models.qwen2_5_omni.loader import load_speakers, talker_tokens
 from omnistage.models.qwen2_5_omni.messages import OmniRequest
 from omnistage.models.qwen2_5_omni.processor import OmniProcessor, ProcessedPrompt
-from omnistage.models.qwen2_5_omni.recipe import (RECIPE, OmniSettings, generation_defaults, speaks,
-                                                  thinker_config)
+from omnistage.models.qwen2_5_omni.recipe import (RECIPE, OmniSettings, generation_defaults,
+                                                  load_thinker_tokenizer, speaks, thinker_config)
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
 from omnistage.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ class Qwen2_5OmniPipeline(GraphPipeline):
         super().__init__(config, settings, placement)
         model_dir = Path(config.model)
         audio_output = speaks(model_dir, self.settings)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_thinker_tokenizer(config)
         raw = read_config(model_dir)
         tokens = talker_tokens(raw)
         self.codec_bos = tokens.codec_bos

@@ -51,6 +51,16 @@ def thinker_config(model_dir: str | Path) -> Qwen2_5OmniThinkerConfig:
     return Qwen2_5OmniThinkerConfig(**read_config(model_dir)["thinker_config"])
 
 
+def load_thinker_tokenizer(config: EngineConfig):
+    """The thinker's tokenizer (`config.tokenizer`, else the model folder's). Given no config,
+    transformers' AutoTokenizer builds the folder's whole Qwen2_5OmniConfig just to read its
+    model type; that builds the talker's config, which checks every `*_token_id` field against
+    the talker's own (codec) vocabulary and warns about the thinker-vocabulary ids it carries by
+    design (tts_text_*, audio_*, vision_*: 14 warnings at every start). The thinker's config
+    alone is all the tokenizer needs."""
+    return load_tokenizer(config.tokenizer or config.model, config=thinker_config(config.model))
+
+
 def token2wav_config(model_dir: str | Path) -> Qwen2_5OmniToken2WavConfig:
     return Qwen2_5OmniToken2WavConfig(**read_config(model_dir)["token2wav_config"])
 
@@ -93,7 +103,7 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
                 use_native_linears(vision, kernel)
         return EncoderStage(name, OmniEncoders(audio.eval(), vision.eval(), dev), settings.encoder_budget)
     if name == "thinker":
-        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer = load_thinker_tokenizer(config)
         engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev), tokenizer,
                            eos_token_ids(config.model, tokenizer))
         return ARStage(name, engine)

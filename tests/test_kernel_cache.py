@@ -1,0 +1,106 @@
+"""The compiled-kernel cache is private: its folder is made 0700, and a cached library this user
+does not own, or that others may write, is rebuilt instead of loaded (the log says why)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import stat
+
+import pytest
+
+from omnistage.kernels import build
+
+SOURCE = "int answer(void) { return 42; }\n"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, c_compiler):
+    """A fresh OMNISTAGE_CACHE, and no private build folder left from another test."""
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_private", [])
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "answer.c"
+    path.write_text(SOURCE)
+    return path
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def _plant(lib, mode: int = 0o666) -> None:
+    """Replace the cached library with other bytes, as another user of a loose cache could."""
+    lib.unlink()
+    lib.write_bytes(b"planted: not the kernel")
+    os.chmod(lib, mode)
+
+
+def _is_ours(lib) -> bool:
+    return lib.read_bytes()[:4] == b"\x7fELF" and os.lstat(lib).st_uid == os.getuid()
+
+
+def test_the_folder_is_private_and_a_world_writable_library_is_rebuilt(cache, source, caplog):
+    lib = build.build_library(source, {})
+    folder = cache / "kernels"
+    assert lib.parent == folder and _mode(folder) == 0o700
+    assert _mode(lib) & 0o022 == 0 and _is_ours(lib)
+    inode = os.lstat(lib).st_ino
+    assert build.build_library(source, {}) == lib            # a sound library is reused,
+    assert os.lstat(lib).st_ino == inode                     # not rebuilt
+    _plant(lib)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.build_library(source, {}) == lib
+    assert "writable by other users" in caplog.text and "rebuilding" in caplog.text
+    assert _is_ours(lib) and _mode(lib) & 0o022 == 0         # rebuilt, not the planted bytes
+    assert ctypes.CDLL(str(lib)).answer() == 42
+
+
+def test_a_symlinked_library_is_rebuilt(cache, source, tmp_path, caplog):
+    lib = build.build_library(source, {})
+    elsewhere = tmp_path / "elsewhere.so"
+    elsewhere.write_bytes(b"planted")
+    lib.unlink()
+    lib.symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        build.build_library(source, {})
+    assert "is not a regular file" in caplog.text
+    assert not lib.is_symlink() and _is_ours(lib)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting another user's file needs root")
+def test_another_users_library_is_rebuilt(cache, source, caplog):
+    lib = build.build_library(source, {})
+    _plant(lib, 0o755)
+    os.chown(lib, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        build.build_library(source, {})
+    assert "owned by uid 65534" in caplog.text and _is_ours(lib)
+
+
+def test_a_loose_folder_of_this_user_is_made_private_again(cache, source, caplog):
+    folder = cache / "kernels"
+    folder.mkdir(parents=True)
+    os.chmod(folder, 0o777)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        lib = build.build_library(source, {})
+    assert "making it private" in caplog.text
+    assert lib.parent == folder and _mode(folder) == 0o700
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making another user's folder needs root")
+def test_another_users_folder_is_not_used(cache, source, caplog):
+    folder = cache / "kernels"
+    folder.mkdir(parents=True, mode=0o755)
+    os.chown(folder, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        lib = build.build_library(source, {})
+    assert "owned by uid 65534" in caplog.text and "private temporary folder" in caplog.text
+    assert lib.parent != folder and _mode(lib.parent) == 0o700 and _is_ours(lib)
+    assert not any(folder.iterdir())
+    assert build.build_library(source, {}) == lib            # reused within the process
