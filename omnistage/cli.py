@@ -70,7 +70,15 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "units, mel within ~0.2%% RMS of float32 (default: float32, as the reference)")
 
 
-def omni_options(args: argparse.Namespace) -> dict:
+def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
+    """The omni family's settings for the folder (Qwen3-Omni's or Qwen2.5-Omni's; text models
+    ignore them) and the deploy config."""
+    from omnistage.layers.checkpoint import architecture_of, read_config
+
+    if architecture_of(read_config(model_dir)) == "Qwen3OmniMoeForConditionalGeneration":
+        from omnistage.models.qwen3_omni.recipe import Qwen3OmniSettings
+
+        return {"deploy_config": args.deploy_config, "omni_settings": Qwen3OmniSettings()}
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
     from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
@@ -108,7 +116,7 @@ def model_settings(args: argparse.Namespace, model_dir: str) -> dict:
     from pathlib import Path
 
     if not (Path(model_dir) / "model_index.json").is_file():
-        return omni_options(args)
+        return omni_options(args, model_dir)
     from omnistage.diffusion.params import DiffusionLimits
     from omnistage.diffusion.recipe import DiffusionSettings
     from omnistage.diffusion.stage import DiffusionStageSettings

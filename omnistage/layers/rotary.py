@@ -13,7 +13,7 @@ class RotaryEmbedding:
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, device: torch.device | str,
-                 mrope_section: tuple[int, ...] | None = None):
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (theta ** exponents)                          # (D/2,)
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)  # (P, D/2)
@@ -21,13 +21,20 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
-        # Multimodal RoPE: frequency j takes its angle from axis t, h or w by section
-        # (sections sum to D/2; both halves of the rotate-half layout share the axis).
+        # Multimodal RoPE: frequency j takes its angle from axis t, h or w (both halves of the
+        # rotate-half layout share the axis). Sectioned (Qwen2.5): consecutive runs of
+        # mrope_section[i] frequencies per axis. Interleaved (Qwen3): h at j = 1, 4, 7, ... and
+        # w at j = 2, 5, 8, ... below 3 * section[1] and 3 * section[2]; t everywhere else.
         self.axis_of_column: torch.Tensor | None = None
         if mrope_section is not None:
             if sum(mrope_section) != head_dim // 2:
                 raise ValueError(f"mrope_section {list(mrope_section)} must sum to head_dim/2 = {head_dim // 2}")
-            axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            if mrope_interleaved:
+                axis = torch.zeros(head_dim // 2, dtype=torch.int64)
+                for a in (1, 2):
+                    axis[a:3 * mrope_section[a]:3] = a
+            else:
+                axis = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
             self.axis_of_column = torch.cat((axis, axis)).to(device)      # (D,)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

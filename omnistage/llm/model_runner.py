@@ -10,6 +10,7 @@ import torch
 from omnistage.kernels.paged_attention import PagedAttentionKernel
 from omnistage.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, NativeBatches,
                                         PrefillSpan)
+from omnistage.llm.model_output import LMOutput
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
@@ -90,7 +91,9 @@ class ModelRunner:
         # Only the sampled rows leave the model, unless a sequence wants its hidden states
         # (then all do) or every row samples anyway (a decode-only step).
         prune = len(sample_chunks) < len(ids) and not any(c.seq.return_hidden_states for c in chunks)
-        hidden = self.model(embeds, positions, self.caches, meta, sample_rows if prune else None)
+        out = self.model(embeds, positions, self.caches, meta, sample_rows if prune else None)
+        # A model may hand out other states than the ones it samples from (LMOutput).
+        hidden, exported = (out.final, out.exported) if isinstance(out, LMOutput) else (out, out)
 
         result = StepResult(sampled=[])
         for chunk, (r0, r1) in zip(chunks, rows):
@@ -98,12 +101,12 @@ class ModelRunner:
             if not seq.return_hidden_states:
                 continue
             if self.keep_prompt_rows:
-                seq.keep_rows(chunk.start, hidden[r0:r1], embeds[r0:r1])
+                seq.keep_rows(chunk.start, exported[r0:r1], embeds[r0:r1])
             # Each position's hidden state goes out once, even when a preempted sequence
             # computes it again.
             skip = max(0, seq.num_hidden_emitted - chunk.start)
             if r0 + skip < r1:
-                h, e = hidden[r0 + skip:r1], embeds[r0 + skip:r1]
+                h, e = exported[r0 + skip:r1], embeds[r0 + skip:r1]
                 if seq.num_hidden_emitted < chunk.start:   # served by the prefix cache
                     ch, ce = seq.cached_rows
                     h = torch.cat([ch[seq.num_hidden_emitted:chunk.start], h])

@@ -7,6 +7,7 @@ import importlib
 # config.json "architectures" entry -> "module:Class". One line per supported architecture.
 _ARCHITECTURES = {
     "Qwen2ForCausalLM": "omnistage.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3MoeForCausalLM": "omnistage.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
@@ -14,6 +15,7 @@ _ARCHITECTURES = {
 # (omnistage.engine_api) whose `recipe` builds its stages.
 STAGE_GRAPH_ARCHITECTURES = {
     "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.pipeline:Qwen2_5OmniPipeline",
+    "Qwen3OmniMoeForConditionalGeneration": "omnistage.models.qwen3_omni.pipeline:Qwen3OmniPipeline",
     # diffusers folders (model_index.json "_class_name"): one pipeline for every family
     **{name: "omnistage.diffusion.pipeline:DiffusionPipeline" for name in (
         "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",

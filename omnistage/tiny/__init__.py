@@ -15,6 +15,7 @@ from omnistage.tiny.longcat_image import LONGCAT_IMAGE, LONGCAT_IMAGE_EDIT
 from omnistage.tiny.ovis_image import OVIS_IMAGE
 from omnistage.tiny.qwen2 import QWEN2
 from omnistage.tiny.qwen2_5_omni import QWEN2_5_OMNI
+from omnistage.tiny.qwen3_omni import QWEN3_OMNI
 from omnistage.tiny.qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, QWEN_IMAGE_LAYERED
 from omnistage.tiny.spec import DEFAULT_MAX_SHARD_SIZE, TinyArch, TinyBuildOptions
 from omnistage.tiny.wan import WAN, WAN_I2V
@@ -25,6 +26,7 @@ TINY_ARCHS: Mapping[str, TinyArch] = {
     for arch in (
         QWEN2,
         QWEN2_5_OMNI,
+        QWEN3_OMNI,
         QWEN_IMAGE,
         QWEN_IMAGE_EDIT,
         QWEN_IMAGE_EDIT_PLUS,

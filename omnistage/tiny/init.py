@@ -61,3 +61,26 @@ def reinit_weights_(model: nn.Module, seed: int, scale: InitScale = InitScale())
             for name, param in module.named_parameters(recurse=False):
                 # weight (gain) around 1, bias (LayerNorm) around 0
                 fill(param, 1.0 if name == "weight" else 0.0, scale.norm_jitter)
+
+
+SNAKE_JITTER = 0.1  # SnakeBeta log-alpha/log-beta: 0 in HF's init, jittered to test loaders
+
+
+@torch.no_grad()
+def reinit_convs_(module: nn.Module, gen: torch.Generator, gain: float, bias_std: float) -> None:
+    """Convolutions (1-D, 2-D, 3-D, transposed 1-D): N(0, gain / sqrt(fan_in)) weights,
+    N(0, bias_std) biases; SnakeBeta params jittered."""
+    for sub in module.modules():
+        params: list[tuple[torch.Tensor, float]] = []
+        if isinstance(sub, nn.ConvTranspose1d):
+            # each output sample sums in_channels * kernel / stride inputs
+            fan_in = sub.in_channels * sub.kernel_size[0] / sub.stride[0]
+            params = [(sub.weight, gain / fan_in**0.5), (sub.bias, bias_std)]
+        elif isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            fan_in = sub.weight[0].numel()  # in_channels / groups * prod(kernel)
+            params = [(sub.weight, gain / fan_in**0.5), (sub.bias, bias_std)]
+        elif type(sub).__name__.endswith("SnakeBeta"):
+            params = [(sub.alpha, SNAKE_JITTER), (sub.beta, SNAKE_JITTER)]
+        for param, std in params:
+            if param is not None:
+                param.copy_(std * torch.randn(param.shape, generator=gen))

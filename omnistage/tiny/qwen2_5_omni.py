@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
 
-from omnistage.tiny.init import InitScale, reinit_weights_
+from omnistage.tiny.init import InitScale, reinit_convs_, reinit_weights_
 from omnistage.tiny.omni_files import (
     SPEAKERS,
     OmniTokenIds,
@@ -282,26 +282,6 @@ MEL_CENTER = -5.0  # log-mel level of speech: the DiT output bias, the speakers'
 # output is then calibrated (see `calibrate_vocoder_`).
 BIGVGAN_CONV_GAIN = 0.75
 WAVEFORM_RMS = 0.1  # about -20 dBFS, a speech-like level
-SNAKE_JITTER = 0.1  # SnakeBeta log-alpha/log-beta: 0 in HF's init, jittered to test loaders
-
-
-@torch.no_grad()
-def _reinit_convs_(module: nn.Module, gen: torch.Generator, gain: float, bias_std: float) -> None:
-    """Convolutions: N(0, gain / sqrt(fan_in)) weights, N(0, bias_std) biases; SnakeBeta params jittered."""
-    for sub in module.modules():
-        params: list[tuple[torch.Tensor, float]] = []
-        if isinstance(sub, nn.ConvTranspose1d):
-            # each output sample sums in_channels * kernel / stride inputs
-            fan_in = sub.in_channels * sub.kernel_size[0] / sub.stride[0]
-            params = [(sub.weight, gain / fan_in**0.5), (sub.bias, bias_std)]
-        elif isinstance(sub, (nn.Conv1d, nn.Conv3d)):
-            fan_in = sub.weight[0].numel()  # in_channels / groups * prod(kernel)
-            params = [(sub.weight, gain / fan_in**0.5), (sub.bias, bias_std)]
-        elif type(sub).__name__.endswith("SnakeBeta"):
-            params = [(sub.alpha, SNAKE_JITTER), (sub.beta, SNAKE_JITTER)]
-        for param, std in params:
-            if param is not None:
-                param.copy_(std * torch.randn(param.shape, generator=gen))
 
 
 @torch.no_grad()
@@ -319,7 +299,7 @@ def reinit_omni_(model: Qwen2_5OmniForConditionalGeneration, seed: int, calibrat
     for index, (part, scale, conv_gain) in enumerate(parts):
         reinit_weights_(part, 16 * seed + index, scale)
         gen = torch.Generator().manual_seed(16 * seed + 4 + index)
-        _reinit_convs_(part, gen, conv_gain, scale.bias_std)
+        reinit_convs_(part, gen, conv_gain, scale.bias_std)
     # The ODE integrates the predicted velocity over t in [0, 1] from N(0, 1) noise, so this
     # bias lands the mel near speech level instead of near 0 (= very loud).
     dit.proj_out.bias.add_(MEL_CENTER)

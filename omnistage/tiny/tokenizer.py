@@ -101,6 +101,7 @@ _VOWELS = ("a", "e", "i", "o", "u", "ai", "ou", "ea", "io", "y")
 _CODAS = ("", "", "", "n", "r", "s", "l", "t", "m", "ng", "x")
 _WORDS_PER_LINE = 12
 _MAX_SYNTH_ROUNDS = 4
+_WHOLE_WORD_REPEATS = 2000    # far more frequent than any corpus word: merged before any of them
 
 
 def load_corpus() -> str:
@@ -139,16 +140,17 @@ def _train_once(texts: Sequence[str], vocab_size: int, pre: Tokenizer) -> Tokeni
     return tok
 
 
-def train_byte_bpe(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def train_byte_bpe(vocab_size: int, whole_words: Sequence[str] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Learn `vocab_size` byte-level BPE tokens (no special tokens); return (vocab, merges).
 
     First the corpus alone; while short of the target, retrain with more pseudo-word lines
     (doubling, at most `_MAX_SYNTH_ROUNDS` times). If still short, the largest vocabulary
-    reached is returned: callers read its size from `len(vocab)`.
+    reached is returned: callers read its size from `len(vocab)`. `whole_words` (e.g. ChatML's
+    role names) are added to the corpus often enough that BPE merges each into one token first.
     """
     # The wrapper's own normalizer and pre-tokenizer (Qwen2 regex split + NFC + ByteLevel).
     pre = Qwen2Tokenizer().backend_tokenizer
-    corpus = load_corpus()
+    corpus = load_corpus() + "".join("\n".join(whole_words) + "\n" for _ in range(_WHOLE_WORD_REPEATS if whole_words else 0))
     tok = _train_once([corpus], vocab_size, pre)
     # Measured: a line of pseudo-words yields ~16+ new tokens, so this usually takes one round.
     num_lines = max(32, (vocab_size - tok.get_vocab_size()) // 16)
@@ -168,6 +170,7 @@ def build_qwen_tokenizer(
     *,
     named_tokens: Mapping[str, str] | None = None,
     chat_template: str = CHATML_TEMPLATE,
+    whole_words: Sequence[str] = (),
 ) -> Qwen2Tokenizer:
     """A `Qwen2Tokenizer` of `vocab_size` ids in total, added tokens included.
 
@@ -176,6 +179,7 @@ def build_qwen_tokenizer(
     `AddedToken` with `special=False` among them is added as a plain (non-special) token.
     `named_tokens` maps attribute names to tokens (e.g. {"audio_token": "<|AUDIO|>"} gives
     `tokenizer.audio_token` / `tokenizer.audio_token_id`, as multimodal processors expect).
+    `whole_words` become single tokens (see `train_byte_bpe`).
     """
     plain = [t.content for t in extra_special_tokens if isinstance(t, AddedToken) and not t.special]
     names = [t.content if isinstance(t, AddedToken) else t for t in extra_special_tokens]
@@ -187,7 +191,7 @@ def build_qwen_tokenizer(
             f"(256 byte tokens + {len(added)} special tokens)",
             param="vocab_size",
         )
-    vocab, merges = train_byte_bpe(vocab_size - len(added))
+    vocab, merges = train_byte_bpe(vocab_size - len(added), whole_words)
     base = len(vocab)
     # Placing the added tokens in the vocab ourselves fixes their ids (Qwen's order); the wrapper
     # would otherwise append them in the order it happens to register them.

@@ -42,12 +42,21 @@ class LogMelConfig:
     # Samples the processor keeps (chunk_length * sampling_rate); longer audio is truncated, as
     # HF does. None: no cap (features of the whole audio, as if zero-padded).
     max_samples: int | None = 300 * 16000
+    # "max_length": each audio as if zero-padded to max_samples (Qwen2.5-Omni's processor;
+    # ceil(L / hop) frames). "longest": each audio transformed as it is, nothing appended (the
+    # Qwen3-Omni processor's padding=True, truncation=False on one audio; floor(L / hop)
+    # frames, the last ones seeing the reflection of the audio's own end).
+    padding: str = "max_length"
 
     def __post_init__(self) -> None:
         if min(self.sample_rate, self.n_fft, self.hop_length, self.num_mel_bins) <= 0:
             raise ValueError(f"LogMelConfig fields must be positive: {self}")
         if self.n_fft % 2:
             raise ValueError(f"n_fft must be even, got {self.n_fft}")
+        if self.padding not in ("max_length", "longest"):
+            raise ValueError(f"padding must be 'max_length' or 'longest', got {self.padding!r}")
+        if self.padding == "longest" and self.max_samples is not None:
+            raise ValueError("padding='longest' keeps every sample: max_samples must be None")
         if self.max_samples is not None and self.max_samples < self.hop_length:
             raise ValueError(f"max_samples ({self.max_samples}) must hold at least one hop")
 
@@ -65,6 +74,8 @@ class LogMelConfig:
     def num_frames(self, num_samples: int) -> int:
         """Feature frames the model sees for an audio of `num_samples` samples."""
         n = num_samples if self.max_samples is None else min(num_samples, self.max_samples)
+        if self.padding == "longest":
+            return n // self.hop_length
         frames = -(-n // self.hop_length)                        # ceil
         if self.max_samples is not None:
             # HF drops the last mask entry when the cap is not a multiple of the hop.
@@ -149,6 +160,10 @@ class LogMelExtractor:
                     f"{c.min_samples} samples ({c.min_samples / c.sample_rate * 1000:.0f} ms "
                     f"at {c.sample_rate} Hz)", param=param)
             lengths.append(w.shape[0] if c.max_samples is None else min(w.shape[0], c.max_samples))
+        if c.padding == "longest" and len(set(lengths)) > 1:   # no audio padded by another
+            parts = [self([w], param) for w in waves]
+            return AudioFeatures(*([x for p in parts for x in getattr(p, f)]
+                                   for f in ("features", "num_frames", "num_tokens")))
         signal_len = max(self._signal_length(n) for n in lengths)
         batch = torch.zeros(len(waves), signal_len, device=self.device)     # (B, S)
         for i, (w, n) in enumerate(zip(waves, lengths)):
@@ -162,6 +177,8 @@ class LogMelExtractor:
         """Samples to transform for an audio of n (capped) samples: n_fft zeros past its end
         suffice (see the module docstring), unless that reaches the cap."""
         cap = self.config.max_samples
+        if self.config.padding == "longest":
+            return n
         return n + self.config.n_fft if cap is None else min(n + self.config.n_fft, cap)
 
     def _log_mel(self, batch: torch.Tensor) -> torch.Tensor:

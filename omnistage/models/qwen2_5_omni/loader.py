@@ -66,7 +66,7 @@ def talker_tokens(cfg: dict) -> TalkerTokens:
         raise ModelLoadError(f"config.json: the talker config lacks its special ids ({e!r})") from e
 
 
-def _embedding_rows(files: list[Path], name: str, ids: list[int]) -> list[torch.Tensor]:
+def embedding_rows(files: list[Path], name: str, ids: list[int]) -> list[torch.Tensor]:
     """Rows of one embedding table, read as slices (the table itself is never loaded)."""
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -86,10 +86,10 @@ def bridge_constants(model_dir: str | Path, audio_output: bool, dtype: torch.dty
     speakers = load_speakers(model_dir) if audio_output else {}
     names = sorted(speakers)
     text_ids = [t.text_eos, t.text_pad] + [speakers[n].bos_token for n in names]
-    rows = [r.to(dtype) for r in _embedding_rows(files, "thinker.model.embed_tokens.weight", text_ids)]
+    rows = [r.to(dtype) for r in embedding_rows(files, "thinker.model.embed_tokens.weight", text_ids)]
     codec = [None, None]
     if audio_output:
-        codec = [r.to(dtype) for r in _embedding_rows(files, "talker.model.embed_tokens.weight",
+        codec = [r.to(dtype) for r in embedding_rows(files, "talker.model.embed_tokens.weight",
                                                       [t.codec_bos, t.codec_pad])]
     return BridgeConstants(
         tokens=t, audio_token_id=tc["audio_token_index"], image_token_id=tc["image_token_index"],

@@ -1,0 +1,89 @@
+"""Mixture-of-experts MLP (Qwen2/Qwen3-MoE style): a softmax router picks the top-k experts
+of each row; each expert is a SwiGLU MLP; an optional shared expert, scaled by a sigmoid gate,
+is added for every row.
+
+The work is grouped by expert, not by row: the rows of a step that chose expert e form one
+(n_e, hidden) batch and go through e's two products once, so a step runs one gate|up and one
+down product per *active* expert, whatever the number of rows (a decode step of B sequences
+with top-k routing touches at most min(E, B * k) experts). The experts are TransposedLinear
+layers, so they take whatever CPU kernel the engine packs its linears with; with the native
+kernel a row's result does not depend on the other rows of its expert's batch.
+
+Summation order, kept equal to the reference's: a row's output starts at zero and receives its
+experts' weighted outputs in ascending expert order, then (shared expert) + gate * shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.layers.linear import TransposedLinear
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool            # renormalise the top-k probabilities to sum to 1
+    shared_expert_size: int = 0     # 0: no shared expert
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate|up merged in one product."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = TransposedLinear(hidden, [intermediate] * 2, bias=False, dtype=dtype)
+        self.down = TransposedLinear(intermediate, [hidden], bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate).mul_(up))
+
+
+class MoeMLP(nn.Module):
+    def __init__(self, s: MoeShape, dtype: torch.dtype):
+        super().__init__()
+        self.shape = s
+        self.router = TransposedLinear(s.hidden_size, [s.num_experts], bias=False, dtype=dtype)
+        self.experts = nn.ModuleList(SwiGLU(s.hidden_size, s.moe_intermediate_size, dtype)
+                                     for _ in range(s.num_experts))
+        self.shared_expert = (SwiGLU(s.hidden_size, s.shared_expert_size, dtype)
+                              if s.shared_expert_size else None)
+        self.shared_expert_gate = (TransposedLinear(s.hidden_size, [1], bias=False, dtype=dtype)
+                                   if s.shared_expert_size else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, H) -> (weights (T, k) in x's dtype, expert ids (T, k)), as the reference
+        router: softmax in float32 over all experts, top-k, optional renormalisation."""
+        probs = F.softmax(self.router(x).float(), dim=-1)                 # (T, E)
+        weights, experts = torch.topk(probs, self.shape.top_k, dim=-1)    # (T, k)
+        if self.shape.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(T, H) -> (T, H)."""
+        weights, experts = self.route(x)
+        k = self.shape.top_k
+        flat = experts.flatten()                                          # (T * k,) row-major
+        order = torch.argsort(flat, stable=True)                          # grouped by expert
+        rows = order // k                                                 # (T * k,) source row
+        scale = weights.flatten()[order].unsqueeze(1)                     # (T * k, 1)
+        counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):          # ascending expert order (see module docstring)
+            if n:
+                sel = rows[start:start + n]
+                out.index_add_(0, sel, self.experts[e](x[sel]) * scale[start:start + n])
+                start += n
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

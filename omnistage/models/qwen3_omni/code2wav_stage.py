@@ -1,0 +1,117 @@
+"""The code2wav stage: codec frames in, PCM chunks out, many requests per batched pass.
+
+Each request's frames are decoded chunk by chunk as they arrive, as transformers'
+`chunked_decode` decodes a chunk: the window of the chunk's frames plus up to `left_context`
+frames before it, the context's samples dropped (Code2Wav.decode_windows). The chunk sizes
+grow: `first_chunk` frames, then doubling up to `max_chunk`, so a request's first audio needs
+only its first few frames while later chunks pay the left context's recomputation over more
+output. When the talker has finished, the frames left over go out as one last chunk.
+
+A step decodes the next chunk of every request that has enough frames for it, requests
+waiting for their first audio first (their windows are short and go in one forward; windows
+of equal length share a forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.models.qwen2_5_omni.messages import AudioChunk
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavWindow
+from omnistage.models.qwen3_omni.messages import CodecFrames
+from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
+
+
+@dataclass(frozen=True)
+class Code2WavSettings:
+    first_chunk: int = 4         # frames of a request's first chunk (0.32 s of speech at 12.5 Hz)
+    max_chunk: int = 32          # chunk sizes double from first_chunk up to this
+    left_context: int = 25       # frames of context before each chunk (transformers' default)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.first_chunk <= self.max_chunk or self.left_context < 0:
+            raise ValueError(f"code2wav chunking needs 1 <= first_chunk <= max_chunk and "
+                             f"left_context >= 0; got {self}")
+
+    def chunk(self, index: int) -> int:
+        """Frames of a request's chunk number `index` (0-based)."""
+        return min(self.max_chunk, self.first_chunk << min(index, 30))
+
+
+@dataclass
+class _Stream:
+    frames: list[torch.Tensor] = field(default_factory=list)   # (G, n) pieces as they came
+    total: int = 0                       # frames received
+    done: int = 0                        # frames decoded
+    chunks: int = 0                      # chunks decoded
+    finished: bool = False               # the talker sent its last frames
+
+    def codes(self) -> torch.Tensor:
+        if len(self.frames) > 1:
+            self.frames = [torch.cat(self.frames, dim=1)]
+        return self.frames[0]
+
+
+class Code2WavStage(Stage):
+    def __init__(self, name: str, model: Code2Wav, settings: Code2WavSettings = Code2WavSettings(),
+                 sample_rate: int = 24000):
+        self.name, self.model, self.settings, self.sample_rate = name, model, settings, sample_rate
+        self.dead: str | None = None
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, message: CodecFrames) -> None:
+        s = self._streams.setdefault(message.request_id, _Stream())
+        if message.codes.numel():
+            s.frames.append(message.codes)
+            s.total += message.codes.shape[1]
+        s.finished = s.finished or message.finished
+
+    def _next_end(self, s: _Stream) -> int | None:
+        """Where the stream's next chunk ends, or None if it is not ready yet."""
+        want = s.done + self.settings.chunk(s.chunks)
+        if s.total >= want:
+            return want
+        if s.finished and s.total > s.done:
+            return s.total
+        return None
+
+    def _ready(self) -> list[tuple[str, int | None]]:
+        """(request, chunk end) for every stream with work: a chunk, or an end to report;
+        first chunks first."""
+        ready = [(rid, self._next_end(s)) for rid, s in self._streams.items()]
+        ready = [(rid, end) for rid, end in ready
+                 if end is not None or (self._streams[rid].finished and self._streams[rid].done == self._streams[rid].total)]
+        return sorted(ready, key=lambda r: self._streams[r[0]].chunks > 0)
+
+    def step(self) -> list[StageOutput]:
+        ready = self._ready()
+        chunks = [(rid, end) for rid, end in ready if end is not None]
+        windows = [Code2WavWindow(self._streams[rid].codes(), self._streams[rid].done, end,
+                                  self.settings.left_context) for rid, end in chunks]
+        pcm = dict(zip((rid for rid, _ in chunks), self.model.decode_windows(windows) if windows else []))
+        out = []
+        for rid, end in ready:
+            s = self._streams[rid]
+            if end is not None:
+                s.done, s.chunks = end, s.chunks + 1
+            last = s.finished and s.done == s.total
+            samples = pcm[rid].float().cpu() if rid in pcm else torch.zeros(0)
+            out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, last), final=last))
+            if last:
+                del self._streams[rid]
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return bool(self._ready())
+
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""

@@ -1,0 +1,131 @@
+"""Qwen3-Omni's code predictor: the small dense decoder that, for each frame the talker starts
+with codebook 0, predicts the frame's other G - 1 codebooks (G = num_code_groups, 16).
+
+One frame, as transformers' talker does it (prepare_inputs_for_generation): a fresh sequence
+of two input vectors, [the talker's final-normed hidden state at the position that sampled
+code 0, the talker's codec embedding of code 0], then G - 2 more inputs, one per predicted code:
+code j (j = 1..G-1) comes from lm_head[j - 1] at the sequence's last position, and its input
+embedding is codec_embedding[j - 1](code j). The frame's residual embedding, which the talker
+adds into its next input, is the sum of codec_embedding[j - 1](code j) over j = 1..G-1.
+
+Here every frame of a step, across requests, runs as one batch: B frames of the same length
+share every product (G - 1 forwards of a (B, 1 or 2, H) batch with a dense KV cache of G
+positions per frame), instead of one `generate()` of G - 1 small forwards per frame.
+
+Checkpoint names: `talker.code_predictor.model.{layers.N.*, norm.weight, codec_embedding.J.weight}`,
+`talker.code_predictor.lm_head.J.weight` (the module's own state names under that prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.layers.rotary import RotaryEmbedding
+
+CHECKPOINT_PREFIX = "talker.code_predictor."
+
+
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+class _Norm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: dict, dtype, device):
+        super().__init__()
+        h, d = c["hidden_size"], c["head_dim"]
+        self.hq, self.hkv, self.d = c["num_attention_heads"], c["num_key_value_heads"], d
+        kw = {"bias": c.get("attention_bias", False), "dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, self.hq * d, **kw)
+        self.k_proj = nn.Linear(h, self.hkv * d, **kw)
+        self.v_proj = nn.Linear(h, self.hkv * d, **kw)
+        self.o_proj = nn.Linear(self.hq * d, h, **kw)
+        self.q_norm = _Norm(d, c["rms_norm_eps"], dtype, device)
+        self.k_norm = _Norm(d, c["rms_norm_eps"], dtype, device)
+
+    def forward(self, x, cos_sin, kv: torch.Tensor, at: int) -> torch.Tensor:
+        """x (B, n, H) at positions at..at+n-1; kv (2, B, Hkv, G, D) the frame's cache."""
+        b, n, _ = x.shape
+        q = _rms(self.q_proj(x).view(b, n, self.hq, self.d), self.q_norm)
+        k = _rms(self.k_proj(x).view(b, n, self.hkv, self.d), self.k_norm)
+        v = self.v_proj(x).view(b, n, self.hkv, self.d)
+        q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
+        kv[0, :, :, at:at + n] = k.transpose(1, 2)
+        kv[1, :, :, at:at + n] = v.transpose(1, 2)
+        keys, values = kv[0, :, :, :at + n], kv[1, :, :, :at + n]          # (B, Hkv, L, D)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1,
+                                           enable_gqa=self.hq != self.hkv, scale=self.d ** -0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: dict, dtype, device):
+        super().__init__()
+        h, i = c["hidden_size"], c["intermediate_size"]
+        self.input_layernorm = _Norm(h, c["rms_norm_eps"], dtype, device)
+        self.self_attn = _Attention(c, dtype, device)
+        self.post_attention_layernorm = _Norm(h, c["rms_norm_eps"], dtype, device)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
+        self.mlp.up_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
+        self.mlp.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x, cos_sin, kv, at: int) -> torch.Tensor:
+        x = x + self.self_attn(_rms(x, self.input_layernorm), cos_sin, kv, at)
+        y = _rms(x, self.post_attention_layernorm)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(y)) * self.mlp.up_proj(y))
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, c: dict, dtype: torch.dtype, device: torch.device | str):
+        """`c`: config.json's talker_config.code_predictor_config."""
+        super().__init__()
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"code predictor hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
+        h, groups = c["hidden_size"], c["num_code_groups"]
+        self.num_code_groups, self.vocab_size = groups, c["vocab_size"]
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(_Layer(c, dtype, device) for _ in range(c["num_hidden_layers"]))
+        self.model.norm = _Norm(h, c["rms_norm_eps"], dtype, device)
+        self.model.codec_embedding = nn.ModuleList(
+            nn.Embedding(c["vocab_size"], h, dtype=dtype, device=device) for _ in range(groups - 1))
+        self.lm_head = nn.ModuleList(nn.Linear(h, c["vocab_size"], bias=False, dtype=dtype, device=device)
+                                     for _ in range(groups - 1))
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+                                    device)
+        self.kv_shape = (c["num_key_value_heads"], c["head_dim"])
+
+    @torch.inference_mode()
+    def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor,
+                pick: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame per row. hidden, code0_embed: (B, H); `pick(logits (B, V) float32, j)`
+        chooses code j (B,) for every row. -> (codes (B, G - 1), residual embedding (B, H))."""
+        b, groups = hidden.shape[0], self.num_code_groups
+        kv = [hidden.new_empty(2, b, *self.kv_shape[:1], groups, self.kv_shape[1])
+              for _ in self.model.layers]                             # (2, B, Hkv, G, D) per layer
+        x = torch.stack([hidden, code0_embed], dim=1)                 # (B, 2, H)
+        at, codes, embeds = 0, [], []
+        for j in range(1, groups):
+            positions = torch.arange(at, at + x.shape[1], device=x.device)
+            cos_sin = tuple(t.unsqueeze(0) for t in self.rope.lookup(positions, x.dtype))
+            for layer, cache in zip(self.model.layers, kv):
+                x = layer(x, cos_sin, cache, at)
+            at += x.shape[1]
+            logits = self.lm_head[j - 1](_rms(x[:, -1], self.model.norm)).float()     # (B, V)
+            code = pick(logits, j)
+            codes.append(code)
+            x = self.model.codec_embedding[j - 1](code).unsqueeze(1)     # (B, 1, H)
+            embeds.append(x[:, 0])
+        # Summed as the reference sums a frame's embeddings: stacked in codebook order
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)

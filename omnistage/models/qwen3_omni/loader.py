@@ -1,0 +1,40 @@
+"""Reading a Qwen3-Omni folder: its language models, the talker's small modules, its voices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omnistage.errors import CheckpointError, ModelLoadError
+from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
+from omnistage.layers.weights import fill_model
+from omnistage.models.qwen3_omni.lms import Qwen3OmniTalkerLM, Qwen3OmniThinkerLM
+
+
+def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch.device,
+            export_layer: int | None = None) -> Qwen3OmniThinkerLM | Qwen3OmniTalkerLM:
+    """The thinker's (`export_layer`: the layer whose output it hands out) or the talker's
+    language model, filled from the folder."""
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    cls = Qwen3OmniThinkerLM if which == "thinker" else Qwen3OmniTalkerLM
+    try:
+        model = cls(cls.config_from_omni(cfg), dtype, device)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: not a usable Qwen3-Omni {which} config ({e!r})") from e
+    if export_layer is not None and not 0 <= export_layer <= model.config.num_hidden_layers:
+        raise ModelLoadError(f"{model_dir / 'config.json'}: talker_config.accept_hidden_layer "
+                             f"{export_layer} is not a layer of the thinker's {model.config.num_hidden_layers}")
+    model.export_layer = export_layer
+    model.to_empty(device=device)
+    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir))
+    return model.eval()
+
+
+def speakers(cfg: dict) -> dict[str, int]:
+    """Voice name (as the folder spells it, e.g. "ethan") -> its codec id."""
+    raw = cfg.get("talker_config", {}).get("speaker_id") or {}
+    if not isinstance(raw, dict) or not all(isinstance(v, int) for v in raw.values()):
+        raise CheckpointError("config.json: talker_config.speaker_id must map voice names to codec ids")
+    return dict(raw)

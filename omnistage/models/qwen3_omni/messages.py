@@ -1,0 +1,51 @@
+"""Typed messages on Qwen3-Omni's edges.
+
+client -> encoder: EncodeJob (Qwen2.5-Omni's)    encoder -> thinker: ARRequest (merged prompt)
+thinker -> talker: TalkerStart, then TalkerText (the reply's embeddings as the thinker makes them)
+talker -> code2wav: CodecFrames                  code2wav -> client: AudioChunk (Qwen2.5-Omni's)
+
+The thinker's vectors reach the talker in the thinker's width, as they are: the talker stage
+projects them (text_projection / hidden_projection) and adds its codec embeddings itself.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from omnistage.sampling_params import SamplingParams
+
+TEXT, HIDDEN = 0, 1     # TalkerStart.kinds: which projection a row takes
+
+
+class TalkerStart(msgspec.Struct):
+    """A speaking request's talker prompt: P rows in the thinker's width, each projected by
+    text_projection (TEXT: a token embedding) or hidden_projection (HIDDEN: the thinker's
+    hidden state at a media position), plus the codec embedding of `codec_ids[i]` where it is
+    >= 0 (the talker's own tokens: think/speaker/pad/bos)."""
+
+    request_id: str
+    rows: torch.Tensor                  # (P, thinker hidden)
+    kinds: list[int]                    # (P,) TEXT | HIDDEN
+    codec_ids: list[int]                # (P,) a codec id or -1
+    params: SamplingParams
+    mrope_positions: torch.Tensor | None = None    # (3, P) int64; None: plain positions
+    position_delta: int = 0
+
+
+class TalkerText(msgspec.Struct):
+    """More of the reply for the talker: the thinker's input embeddings of its next tokens
+    (n, thinker hidden). `finished`: the thinker is done; after these rows comes the text-end
+    row, then the pad row for every later frame."""
+
+    request_id: str
+    rows: torch.Tensor | None = None
+    finished: bool = False
+
+
+class CodecFrames(msgspec.Struct):
+    """New frames of a request's speech (codebook 0 .. G - 1 each)."""
+
+    request_id: str
+    codes: torch.Tensor                 # (G, n) int64
+    finished: bool = False

@@ -1,0 +1,23 @@
+"""A Qwen3-Omni request after preprocessing: what enters its stage graph."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from omnistage.models.qwen2_5_omni.messages import MediaInput
+from omnistage.sampling_params import SamplingParams
+
+
+class Qwen3OmniRequest(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    mrope_positions: torch.Tensor | None          # (3, P) int64; None: plain positions
+    position_delta: int
+    media: list[MediaInput]
+    thinker_params: SamplingParams
+    talker_params: SamplingParams | None          # None: text only
+    speaker_id: int = -1                          # the voice's codec id (speaking requests)
+    assistant_at: int = -1                        # index of the last <|im_start|> assistant
+    talker_mrope_positions: torch.Tensor | None = None   # (3, talker prompt length)
+    talker_position_delta: int = 0

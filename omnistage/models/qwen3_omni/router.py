@@ -1,0 +1,189 @@
+"""Qwen3-Omni's edges: a request flows encoder -> thinker -> talker -> code2wav; what goes back
+to the client. No model code runs here (the talker stage projects the rows it receives).
+
+The talker's input (transformers' Qwen3OmniMoeForConditionalGeneration.generate):
+- the user turns of the prompt (positions whose ChatML turn, the token after the last
+  <|im_start|> at or before them, is `user`): a media position's row is the thinker's hidden
+  state at layer `accept_hidden_layer` (hidden_projection), any other position's its input
+  embedding (text_projection);
+- the assistant part, from the last `<|im_start|>assistant` on: its first 3 rows (the header,
+  text_projection) with no codec; 4 rows of tts_pad with codec nothink, think_bos, think_eos and
+  the speaker's id; tts_bos with codec pad; the 4th row (the reply's first token) with codec bos;
+- then one row per talker step: the reply's next token (rows 5, 6, ... of the assistant part),
+  then tts_eos once the thinker finished, then tts_pad.
+Reply rows exist only for tokens the thinker fed back (its last token is never fed), so the
+talker starts after the thinker's second step and the text trails it by a token at most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.graph import CLIENT, Edge
+from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodedMedia, EncodeJob
+from omnistage.models.qwen3_omni.messages import HIDDEN, TEXT, CodecFrames, TalkerStart, TalkerText
+from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
+from omnistage.outputs import Delta
+from omnistage.stage_messages import StageOutput
+from omnistage.stages.ar import ARRequest, ARStepOutput
+
+HEADER = 3          # <|im_start|> assistant \n
+
+
+@dataclass
+class BridgeIds:
+    """Ids the router needs (from config.json) and two thinker embedding rows."""
+
+    im_start: int
+    user: int
+    assistant: int
+    media: tuple[int, int, int]            # audio, image, video placeholder ids
+    codec: dict[str, int]                  # nothink, think_bos, think_eos, pad, bos
+    tts_pad_row: torch.Tensor              # (Ht,) thinker embedding of tts_pad
+    tts_bos_row: torch.Tensor
+
+
+@dataclass
+class _Flow:
+    req: Qwen3OmniRequest
+    want_audio: bool
+    embeds: list[torch.Tensor] = field(default_factory=list)    # thinker rows as they come (n, Ht)
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    rows_seen: int = 0
+    talker_started: bool = False
+    text_done: bool = False
+    audio_done: bool = False
+    finish_reason: str | None = None
+
+
+class Qwen3OmniRouter:
+    def __init__(self, ids: BridgeIds, audio_output: bool):
+        self.ids = ids
+        self.flows: dict[str, _Flow] = {}
+        self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
+        if audio_output:
+            self.edges += [Edge("thinker", "talker"), Edge("talker", "code2wav"), Edge("code2wav", CLIENT)]
+
+    def unfinished(self) -> set[str]:
+        return set(self.flows)
+
+    def forget(self, request_id: str) -> None:
+        self.flows.pop(request_id, None)
+
+    def start(self, req: Qwen3OmniRequest) -> list[tuple[str, object]]:
+        want_audio = req.talker_params is not None
+        self.flows[req.request_id] = _Flow(req, want_audio, audio_done=not want_audio)
+        if req.media:
+            return [("encoder", EncodeJob(req.request_id, req.media))]
+        return [("thinker", self._thinker_request(req, None, None))]
+
+    def _thinker_request(self, req: Qwen3OmniRequest, embeds, positions) -> ARRequest:
+        return ARRequest(req.request_id, req.prompt_token_ids, req.thinker_params,
+                         prompt_embeds=embeds, mm_positions=positions,
+                         mrope_positions=req.mrope_positions, position_delta=req.position_delta,
+                         return_hidden_states=req.talker_params is not None)
+
+    def route(self, out: StageOutput) -> list[tuple[str, object]]:
+        flow = self.flows.get(out.request_id)
+        if flow is None:   # aborted while the output was in flight
+            return []
+        if out.stage == "encoder":
+            return [("thinker", self._merged(flow, out.payload))]
+        if out.stage == "thinker":
+            return self._from_thinker(flow, out.payload)
+        if out.stage == "talker":
+            return [("code2wav", out.payload)]
+        return self._from_code2wav(flow, out.payload)
+
+    def _merged(self, flow: _Flow, enc: EncodedMedia) -> ARRequest:
+        """Encoder rows go to the placeholder positions of their modality, in prompt order."""
+        ids = torch.tensor(flow.req.prompt_token_ids)
+        rows, positions = [], []
+        for token, embeds in zip(self.ids.media, (enc.audio, enc.image, enc.video)):
+            where = torch.nonzero(ids == token).squeeze(1)
+            got = sum(e.shape[0] for e in embeds)
+            if got != where.numel():
+                raise RuntimeError(f"encoder gave {got} rows for {where.numel()} placeholders of token {token}")
+            rows += embeds
+            positions += where.tolist()
+        return self._thinker_request(flow.req, torch.cat(rows), positions)
+
+    # ---- thinker -> talker ------------------------------------------------------------------
+    def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        if flow.want_audio and o.hidden_states is not None:
+            out += self._talker_inputs(flow, o)
+        if o.token_ids or o.text:
+            out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids, logprobs=o.logprobs,
+                                      num_prompt_tokens=o.num_prompt_tokens)))
+        if o.finished:
+            flow.text_done, flow.finish_reason = True, o.finish_reason
+            if flow.want_audio:
+                if flow.talker_started:
+                    out.append(("talker", TalkerText(flow.req.request_id, finished=True)))
+                else:
+                    # The thinker stopped before its reply's first row existed (it ended at its
+                    # first token): transformers fails here; the answer has no audio.
+                    flow.audio_done = True
+            out += self._maybe_done(flow)
+        return out
+
+    def _talker_inputs(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
+        if flow.talker_started:
+            return [("talker", TalkerText(flow.req.request_id, o.input_embeds))]
+        flow.embeds.append(o.input_embeds)
+        flow.hidden.append(o.hidden_states)
+        flow.rows_seen += o.input_embeds.shape[0]
+        first = flow.req.assistant_at + HEADER            # the reply's first row
+        if flow.rows_seen <= first:
+            return []
+        embeds, hidden = torch.cat(flow.embeds), torch.cat(flow.hidden)
+        flow.embeds, flow.hidden, flow.talker_started = [], [], True
+        out: list[tuple[str, object]] = [("talker", self._talker_start(flow.req, embeds, hidden))]
+        if embeds.shape[0] > first + 1:
+            out.append(("talker", TalkerText(flow.req.request_id, embeds[first + 1:])))
+        return out
+
+    def _talker_start(self, req: Qwen3OmniRequest, embeds: torch.Tensor, hidden: torch.Tensor) -> TalkerStart:
+        """The talker's prompt (see the module docstring) from the thinker's rows so far."""
+        ids, c = self.ids, self.ids.codec
+        tokens = torch.tensor(req.prompt_token_ids)
+        user = user_positions(tokens, ids.im_start, ids.user)
+        media = torch.isin(tokens, torch.tensor(ids.media)) & user
+        rows = torch.where(media.unsqueeze(1), hidden[:len(tokens)], embeds[:len(tokens)])[user]
+        kinds = [HIDDEN if m else TEXT for m in media[user].tolist()]
+        a = req.assistant_at
+        pad, bos = ids.tts_pad_row.to(embeds), ids.tts_bos_row.to(embeds)
+        tail = torch.cat([embeds[a:a + HEADER], pad.expand(4, -1), bos[None], embeds[a + HEADER:a + HEADER + 1]])
+        codec = [-1] * HEADER + [c["nothink"], c["think_bos"], c["think_eos"], req.speaker_id, c["pad"], c["bos"]]
+        return TalkerStart(req.request_id, torch.cat([rows, tail]), kinds + [TEXT] * len(codec),
+                           [-1] * len(kinds) + codec, req.talker_params,
+                           mrope_positions=req.talker_mrope_positions, position_delta=req.talker_position_delta)
+
+    # ---- code2wav -> client -----------------------------------------------------------------
+    def _from_code2wav(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        if a.samples.numel():
+            out.append((CLIENT, Delta(a.request_id, 0, "", [], audio=a.samples.numpy(), sample_rate=a.sample_rate)))
+        if a.finished:
+            flow.audio_done = True
+            out += self._maybe_done(flow)
+        return out
+
+    def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
+        if not (flow.text_done and flow.audio_done):
+            return []
+        return [(CLIENT, Delta(flow.req.request_id, 0, "", [], finished=True, finish_reason=flow.finish_reason))]
+
+
+def user_positions(tokens: torch.Tensor, im_start: int, user: int) -> torch.Tensor:
+    """(P,) bool: the positions in user turns (from a user turn's <|im_start|> up to the next
+    <|im_start|>), as transformers finds them: by the token after the last <|im_start|> at or
+    before each position."""
+    p = tokens.shape[0]
+    idx = torch.arange(p)
+    last_start = torch.cummax(torch.where(tokens == im_start, idx, torch.full_like(idx, -1)), 0).values
+    role = tokens[(last_start.clamp_min(0) + 1).clamp_max(p - 1)]   # (as the reference: before
+    return role == user                                               # any <|im_start|>, token 1)

@@ -1,0 +1,213 @@
+"""The Qwen3-Omni talker stage: an AR engine for codebook 0, with the code predictor run inside
+the stage's step for every request that produced a code this step, batched across requests.
+
+One step:
+  1. the engine steps the talker (continuous batching, paged KV): each running request whose
+     input is ready computes one position and samples codebook 0;
+  2. every request that sampled a code and goes on gets its frame completed at once: the code
+     predictor runs once for all of them (B rows; code_predictor.py) and gives codebooks
+     1..G-1 and the frame's residual embedding;
+  3. the talker's next input for that request is its embedding of code 0 (the engine's) + the
+     residual embedding + the next reply row (text_projection of the thinker's next token
+     embedding; after the reply: the text-end row once, then the pad row), pushed into the
+     request's embed feed. A request whose reply row has not arrived waits (the engine skips
+     it) and the others go on;
+  4. the new frames go to code2wav.
+As transformers' generate: the talker's last sampled code (its end-of-speech code, or the last
+one allowed by max_tokens) gets no frame.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omnistage.llm.engine import LLMEngine
+from omnistage.llm.sequence import EmbedFeed
+from omnistage.models.qwen3_omni.code_predictor import CodePredictor
+from omnistage.models.qwen3_omni.messages import HIDDEN, CodecFrames, TalkerStart, TalkerText
+from omnistage.outputs import Delta
+from omnistage.stage_messages import StageOutput
+from omnistage.stages.base import Stage
+
+PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8     # transformers' code predictor sampling (temperature 1)
+
+
+class ResizeMLP(nn.Module):
+    """talker.{text,hidden}_projection: fc2(silu(fc1(x))), thinker width -> talker width."""
+
+    def __init__(self, thinker_hidden: int, intermediate: int, hidden: int, dtype, device):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(thinker_hidden, intermediate, dtype=dtype, device=device)
+        self.linear_fc2 = nn.Linear(intermediate, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(torch.nn.functional.silu(self.linear_fc1(x)))
+
+
+@dataclass
+class TalkerParts:
+    """What the stage computes besides the engine's model (talker width H, thinker width Ht)."""
+
+    text_projection: ResizeMLP
+    hidden_projection: ResizeMLP
+    predictor: CodePredictor
+    text_end: torch.Tensor        # (Ht,) thinker embedding of the text-end token (tts_eos)
+    text_pad: torch.Tensor        # (Ht,) of tts_pad
+    prompt_id: int                # the talker's prompt placeholder id (codec pad)
+
+
+@dataclass
+class _Speech:
+    """One request's state in the stage."""
+
+    feed: EmbedFeed
+    generator: torch.Generator | None        # None: greedy code predictor
+    text: deque = field(default_factory=deque)        # projected reply rows not used yet (H,)
+    residuals: deque = field(default_factory=deque)   # frame residual embeddings waiting for text
+    reply_done: bool = False                 # the thinker finished: text-end, then pad rows
+    end_used: bool = False
+
+
+class TalkerStage(Stage):
+    def __init__(self, name: str, engine: LLMEngine, parts: TalkerParts):
+        self.name, self.engine, self.parts = name, engine, parts
+        self.dead: str | None = None
+        self._speech: dict[str, _Speech] = {}
+        with torch.inference_mode():
+            rows = parts.text_projection(torch.stack([parts.text_end, parts.text_pad]))
+        self._text_end, self._text_pad = rows[0], rows[1]
+
+    # ---- input ----------------------------------------------------------------------------
+    def add(self, message: TalkerStart | TalkerText) -> None:
+        if isinstance(message, TalkerText):
+            s = self._speech.get(message.request_id)
+            if s is None:                     # aborted or finished meanwhile
+                return
+            if message.rows is not None and message.rows.numel():
+                with torch.inference_mode():
+                    s.text.extend(self._project_text(message.rows).unbind(0))
+            s.reply_done = s.reply_done or message.finished
+            self._pump(s)
+            return
+        self._start(message)
+
+    def _project_text(self, rows: torch.Tensor) -> torch.Tensor:
+        p = self.parts.text_projection
+        return p(rows.to(p.linear_fc1.weight.dtype))
+
+    @torch.inference_mode()
+    def _start(self, m: TalkerStart) -> None:
+        p, model = self.parts, self.engine.model
+        rows = m.rows.to(p.text_projection.linear_fc1.weight.dtype)
+        hidden = torch.tensor(m.kinds, device=rows.device) == HIDDEN
+        embeds = torch.empty(rows.shape[0], model.input_size, dtype=rows.dtype, device=rows.device)
+        embeds[~hidden] = p.text_projection(rows[~hidden])
+        if hidden.any():
+            embeds[hidden] = p.hidden_projection(rows[hidden])
+        codec = torch.tensor(m.codec_ids, device=rows.device)
+        has = codec >= 0
+        embeds[has] += model.embed(codec[has])
+        feed = EmbedFeed()
+        params = m.params
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            if params.seed is not None:
+                gen.manual_seed(params.seed)
+            else:
+                gen.seed()
+        # placeholder ids the penalties may see: transformers' talker penalises generated codes
+        # only, so the prompt holds a suppressed id (codec pad), never a sampled one
+        ids = [p.prompt_id] * rows.shape[0]
+        self.engine.add_request(m.request_id, ids, params, prompt_embeds=embeds, return_hidden_states=True,
+                                mrope_positions=m.mrope_positions, position_delta=m.position_delta,
+                                embed_feed=feed)
+        self._speech[m.request_id] = _Speech(feed, gen)
+
+    def _pump(self, s: _Speech) -> None:
+        """Push the talker inputs that are complete: residual + reply row (or end/pad row)."""
+        while s.residuals:
+            if s.text:
+                text = s.text.popleft()
+            elif s.reply_done:
+                text = self._text_pad if s.end_used else self._text_end
+                s.end_used = True
+            else:
+                return
+            s.feed.push((s.residuals.popleft() + text).unsqueeze(0))
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[StageOutput]:
+        deltas = [d for d in self.engine.step() if d.index == 0]
+        going = [d for d in deltas if d.token_ids and not d.finished]
+        frames = self._complete_frames(going) if going else {}
+        out = []
+        for d in deltas:
+            codes = frames.get(d.request_id)
+            if d.finished:
+                self._speech.pop(d.request_id, None)
+            if codes is not None or d.finished:
+                g = self.parts.predictor.num_code_groups
+                codes = codes if codes is not None else torch.zeros(g, 0, dtype=torch.int64)
+                out.append(StageOutput(self.name, d.request_id, CodecFrames(d.request_id, codes, d.finished),
+                                       final=d.finished))
+        return out
+
+    @torch.inference_mode()
+    def _complete_frames(self, deltas: list[Delta]) -> dict[str, torch.Tensor]:
+        """Codebooks 1..G-1 for the code 0 each delta sampled, in one batch; their residual
+        embeddings go to the requests' feeds. -> request id -> (G, 1) codes."""
+        model, p = self.engine.model, self.parts
+        code0 = torch.tensor([d.token_ids[-1] for d in deltas], device=self.engine.device)
+        hidden = torch.stack([d.hidden_states[-1] for d in deltas])          # (B, H)
+        speech = [self._speech[d.request_id] for d in deltas]
+        codes, residual = p.predictor.predict(hidden, model.embed(code0), self._picker(speech))
+        out = {}
+        for i, (d, s) in enumerate(zip(deltas, speech)):
+            s.residuals.append(residual[i])
+            self._pump(s)
+            out[d.request_id] = torch.cat([code0[i:i + 1], codes[i]]).unsqueeze(1).cpu()
+        return out
+
+    @staticmethod
+    def _picker(speech: list[_Speech]):
+        """The code predictor's choice per row: argmax (greedy requests) or a draw at
+        temperature 1 from the top-k 50 / top-p 0.8 set, with the request's own generator."""
+        def pick(logits: torch.Tensor, j: int) -> torch.Tensor:
+            out = logits.argmax(dim=-1)
+            for i, s in enumerate(speech):
+                if s.generator is not None:
+                    out[i] = _draw(logits[i], s.generator)
+            return out
+        return pick
+
+    # ---- the rest of the Stage protocol ---------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        self._speech.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.has_ready_work()
+
+    def num_requests(self) -> int:
+        return len(self.engine.requests)
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        return self.engine.metrics(f'stage="{self.name}"')
+
+
+def _draw(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw from softmax(logits) restricted to the top-k, then the top-p nucleus (V,)."""
+    top, idx = logits.topk(min(PREDICTOR_TOP_K, logits.shape[-1]))
+    probs = torch.softmax(top, dim=-1)
+    keep = probs.cumsum(-1) - probs < PREDICTOR_TOP_P        # the nucleus: at least one token
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    choice = torch.multinomial(probs.cpu() / probs.sum(), 1, generator=gen)
+    return idx[choice.to(idx.device)].squeeze(0)

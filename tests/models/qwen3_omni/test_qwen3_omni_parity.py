@@ -1,0 +1,187 @@
+"""Qwen3-Omni on our stage graph vs transformers' Qwen3OmniMoeForConditionalGeneration.generate
+(the oracle), on two tiny shapes: the thinker's greedy tokens (text and audio prompts), the
+talker's codes (all 16 codebooks, greedy talker and code predictor) and the waveform, on the
+default kernels and on `matmul`; and 8 concurrent requests equal to each alone."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage import Omni, SamplingParams
+from omnistage.engine_api import OutputOptions
+
+FRAMES = 9          # talker steps asked of both sides (min = max: no early end of speech)
+SHAPES = {
+    "tiny": {},
+    "deeper": {"thinker_config": {"text_config": {"num_hidden_layers": 3, "num_experts": 8,
+                                                  "num_experts_per_tok": 3, "moe_intermediate_size": 24}},
+               "talker_config": {"accept_hidden_layer": 2,
+                                 "text_config": {"num_hidden_layers": 3, "num_experts": 6},
+                                 "code_predictor_config": {"num_hidden_layers": 2}}},
+}
+PROMPTS = [
+    [{"role": "user", "content": "hi there, tell me"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the sea?"}],
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+     {"role": "user", "content": "three and four"}],
+]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def folder(request, tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen3_omni", tmp_path_factory.mktemp(f"q3-{request.param}"), seed=1,
+                          overrides=SHAPES[request.param]))
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=["auto", "matmul"])
+def omni(request, folder):
+    with Omni(folder, linear_kernel=request.param, num_threads=1) as o:
+        yield o
+
+
+def talker_params(hf_model) -> SamplingParams:
+    t = hf_model.config.talker_config
+    vocab = t.text_config.vocab_size
+    return SamplingParams(temperature=0, max_tokens=FRAMES, min_tokens=FRAMES, repetition_penalty=1.05,
+                          suppress_token_ids=[i for i in range(vocab - 1024, vocab) if i != t.codec_eos_token_id])
+
+
+def hf_generate(hf_model, ids: torch.Tensor, max_tokens: int, **media) -> tuple[list[int], torch.Tensor]:
+    """(thinker's new tokens, codes (16, F)) of transformers' greedy generate."""
+    seen = []
+    hook = hf_model.code2wav.register_forward_hook(lambda m, args, out: seen.append(args[0][0].clone()))
+    try:
+        seq, _ = hf_model.generate(ids, speaker="Ethan", thinker_max_new_tokens=max_tokens,
+                                   thinker_do_sample=False, talker_do_sample=False,
+                                   talker_max_new_tokens=FRAMES, talker_min_new_tokens=FRAMES, **media)
+    finally:
+        hook.remove()
+    return seq[0, ids.shape[1]:].tolist(), seen[0]
+
+
+def ours_generate(omni, prompt, hf_model, max_tokens: int):
+    """(our output, codes (16, F) as code2wav received them)."""
+    model = omni.engine.graph.stages["code2wav"].model
+    windows = []
+    hook = model.register_forward_hook(lambda m, args, out: windows.append(args[0][0].clone()))
+    try:
+        [out] = omni.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens),
+                              output=OutputOptions(voice="Ethan", talker_params=talker_params(hf_model)))
+    finally:
+        hook.remove()
+    stage = omni.engine.graph.stages["code2wav"].settings
+    codes, done = [], 0
+    for i, w in enumerate(windows):                   # each window: context + the chunk
+        n = stage.chunk(i) if done + stage.chunk(i) <= FRAMES - 1 else (FRAMES - 1) - done
+        codes.append(w[:, -n:])
+        done += n
+    return out, torch.cat(codes, dim=1)
+
+
+def chunked_like_ours(hf_model, codes: torch.Tensor, settings) -> np.ndarray:
+    """The waveform transformers' code2wav gives for `codes` decoded in our chunks."""
+    pieces, start, i = [], 0, 0
+    spf = int(hf_model.code2wav.total_upsample)
+    with torch.no_grad():
+        while start < codes.shape[1]:
+            end = min(start + settings.chunk(i), codes.shape[1])
+            ctx = min(settings.left_context, start)
+            pieces.append(hf_model.code2wav(codes[None, :, start - ctx:end])[0, 0, ctx * spf:])
+            start, i = end, i + 1
+    return torch.cat(pieces).numpy()
+
+
+def test_text_only_thinker_tokens_equal_transformers(omni, hf):
+    hf_model, tok = hf
+    for messages in PROMPTS:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        want = hf_model.thinker.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        [out] = omni.generate(messages, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                              output=OutputOptions(modalities=["text"]))
+        assert out.token_ids == want[0, ids.shape[1]:].tolist()
+        assert out.audio is None
+
+
+def test_speech_codes_and_waveform_equal_transformers(omni, hf):
+    hf_model, tok = hf
+    for messages in PROMPTS[:2]:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        want_tokens, want_codes = hf_generate(hf_model, ids, 10)
+        out, codes = ours_generate(omni, messages, hf_model, 10)
+        assert out.token_ids == want_tokens
+        assert want_codes.shape == (16, FRAMES - 1)      # the last code 0 gets no frame
+        assert torch.equal(codes, want_codes)            # all 16 codebooks
+        settings = omni.engine.graph.stages["code2wav"].settings
+        want_wav = chunked_like_ours(hf_model, want_codes, settings)
+        assert out.audio.shape == want_wav.shape and out.sample_rate == 24000
+        np.testing.assert_allclose(out.audio, want_wav, atol=1e-4)      # measured ~1e-6
+        assert np.abs(want_wav).max() > 0.05                              # a real waveform
+
+
+def _wav_bytes(seconds: float, freq: float) -> bytes:
+    import soundfile as sf
+
+    t = np.arange(int(16000 * seconds)) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), 16000, format="WAV")
+    return buf.getvalue()
+
+
+def test_audio_prompt_thinker_tokens_and_speech_equal_transformers(omni, hf):
+    """The clip through WhisperFeatureExtractor (the processor's padding=True) and transformers'
+    audio tower; placeholders expanded by the processor's count."""
+    import soundfile as sf
+    from transformers import WhisperFeatureExtractor
+
+    from omnistage.models.qwen3_omni.audio_encoder import num_audio_tokens
+
+    hf_model, tok = hf
+    for seconds, freq in ((1.3, 300.0), (2.61, 520.0)):
+        wav = _wav_bytes(seconds, freq)
+        samples, _ = sf.read(io.BytesIO(wav), dtype="float32")
+        feats = WhisperFeatureExtractor(feature_size=128)(samples, sampling_rate=16000, padding=True,
+                                                          truncation=False, return_attention_mask=True,
+                                                          return_tensors="pt")
+        n = num_audio_tokens(int(feats["attention_mask"].sum()), 50)
+        text = tok.apply_chat_template([{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Hm?"}]}],
+                                       tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tok.encode(text.replace("<|audio_pad|>", "<|audio_pad|>" * n))])
+        want_tokens, want_codes = hf_generate(hf_model, ids, 8, input_features=feats["input_features"],
+                                              feature_attention_mask=feats["attention_mask"])
+        prompt = [{"role": "user", "content": [{"type": "audio", "audio": wav}, {"type": "text", "text": "Hm?"}]}]
+        out, codes = ours_generate(omni, prompt, hf_model, 8)
+        assert out.token_ids == want_tokens
+        assert torch.equal(codes, want_codes)
+
+
+def test_eight_concurrent_requests_equal_each_alone(omni, hf):
+    hf_model, _ = hf
+    opts = OutputOptions(voice="Ethan", talker_params=talker_params(hf_model))
+    prompts = [[{"role": "user", "content": f"question number {i}: why {'so ' * i}?"}] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=7)
+    alone = [omni.generate(p, params, output=opts)[0] for p in prompts]
+    together = omni.generate(prompts, params, output=opts)
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        # (an answer that ends at its first token has no speech, as transformers cannot make one)
+        assert (a.audio is None) == (b.audio is None) == (len(a.token_ids) == 1)
+        if a.audio is not None:
+            assert a.audio.shape == b.audio.shape
+            np.testing.assert_allclose(a.audio, b.audio, atol=1e-5)
+    assert len({tuple(a.token_ids) for a in alone}) > 4          # the prompts differ in their answers
+    assert sum(a.audio is not None for a in alone) >= 6
