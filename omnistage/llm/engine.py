@@ -64,14 +64,21 @@ class LLMEngine:
                     prompt_embeds: torch.Tensor | None = None,
                     return_hidden_states: bool = False,
                     mrope_positions: torch.Tensor | None = None, position_delta: int = 0,
-                    embed_feed: EmbedFeed | None = None) -> None:
+                    embed_feed: EmbedFeed | None = None,
+                    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Queue a request. With `prompt_embeds` (P, input width), those vectors are the
         model's input at the prompt positions and prompt_token_ids are placeholders (length P)
         that penalties still read. `mrope_positions` (3, P) and `position_delta` place a
         multimodal prompt for models with 3-D RoPE; `embed_feed` streams vectors added to the
-        inputs of generated positions (steps wait for them)."""
+        inputs of generated positions (steps wait for them); `deepstack` ((V,) prompt
+        positions, (K, V, hidden)) adds vectors after the first K layers (models that take it)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if params.n > self.scheduler.max_num_seqs:
+            # its samples run side by side from the prompt on: they need n seats at once
+            raise InvalidRequestError(f"n={params.n} is more than the {self.scheduler.max_num_seqs} "
+                                      f"sequences this engine runs at once (max_num_seqs); ask for "
+                                      f"at most {self.scheduler.max_num_seqs}", param="n")
         prompt_token_ids = check_prompt_inputs(prompt_token_ids, prompt_embeds, mrope_positions,
                                                self.model.input_size, self.vocab_size, self.max_model_len)
         seqs = []
@@ -83,7 +90,7 @@ class LLMEngine:
             seqs.append(Sequence(seq_id, request_id, i, list(prompt_token_ids),
                                  len(prompt_token_ids), params, prompt_embeds=prompt_embeds,
                                  mrope_positions=mrope_positions, position_delta=position_delta,
-                                 embed_feed=embed_feed, generator=gen,
+                                 embed_feed=embed_feed, deepstack=deepstack, generator=gen,
                                  return_hidden_states=return_hidden_states, arrival=seq_id))
         seqs[0].fork_children = seqs[1:]
         self.requests[request_id] = self.output.new_request(request_id, params, seqs)

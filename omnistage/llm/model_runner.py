@@ -91,7 +91,9 @@ class ModelRunner:
         # Only the sampled rows leave the model, unless a sequence wants its hidden states
         # (then all do) or every row samples anyway (a decode-only step).
         prune = len(sample_chunks) < len(ids) and not any(c.seq.return_hidden_states for c in chunks)
-        out = self.model(embeds, positions, self.caches, meta, sample_rows if prune else None)
+        deepstack = self._deepstack(chunks, rows)    # only models that take it ever get it
+        out = self.model(embeds, positions, self.caches, meta, sample_rows if prune else None,
+                         **({"deepstack": deepstack} if deepstack is not None else {}))
         # A model may hand out other states than the ones it samples from (LMOutput).
         hidden, exported = (out.final, out.exported) if isinstance(out, LMOutput) else (out, out)
 
@@ -195,6 +197,22 @@ class ModelRunner:
         num_kv_heads = self.caches[0].kv.shape[1]
         bias = bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)                     # (Hkv B, 1, L)
         return DecodeGroup(row_start, flat, bias, b)
+
+    def _deepstack(self, chunks, rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """((R,) flat-batch rows, (K, R, hidden)) of the DeepStack vectors whose prompt
+        positions this step computes; None when there are none."""
+        flat_rows, vectors = [], []
+        for c, (r0, _) in zip(chunks, rows):
+            ds = c.seq.deepstack
+            if ds is None or c.start >= c.seq.num_prompt_tokens:
+                continue
+            where = (ds[0] >= c.start) & (ds[0] < c.start + c.num_new_tokens)
+            if where.any():
+                flat_rows.append(ds[0][where] - c.start + r0)
+                vectors.append(ds[1][:, where])
+        if not flat_rows:
+            return None
+        return torch.cat(flat_rows).to(self.device), torch.cat(vectors, dim=1).to(self.device)
 
     def _overlay_prompt_embeds(self, chunks, rows, embeds: torch.Tensor) -> None:
         """Positions inside an embeddings prompt take the given vectors, not token embeddings."""

@@ -40,6 +40,9 @@ class Sequence:
     # Vectors added to the token embedding of generated positions, arriving while the
     # sequence runs (the talker's view of the thinker's reply); None for plain models.
     embed_feed: "EmbedFeed | None" = None
+    # DeepStack (Qwen3-VL / Qwen3-Omni): ((V,) prompt positions, (K, V, hidden) vectors); vector
+    # [k, i] is added to position i's hidden state after decoder layer k. None for plain prompts.
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None
     generator: torch.Generator | None = None  # per-request seeded generator
     return_hidden_states: bool = False
     num_hidden_emitted: int = 0              # positions whose hidden states went out (once each)

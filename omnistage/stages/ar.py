@@ -30,6 +30,9 @@ class ARRequest(msgspec.Struct):
     position_delta: int = 0
     return_hidden_states: bool = False     # emit hidden states + input embeddings per step
     fed: bool = False                      # generated positions wait for ARFeed vectors
+    # DeepStack: (K, V, width) vectors added after the first K layers at these V prompt positions
+    deepstack: torch.Tensor | None = None
+    deepstack_positions: list[int] | None = None
 
 
 class ARFeed(msgspec.Struct):
@@ -80,7 +83,9 @@ class ARStage(Stage):
                                 prompt_embeds=embeds,
                                 return_hidden_states=message.return_hidden_states,
                                 mrope_positions=message.mrope_positions,
-                                position_delta=message.position_delta, embed_feed=feed)
+                                position_delta=message.position_delta, embed_feed=feed,
+                                deepstack=None if message.deepstack is None else
+                                (torch.tensor(message.deepstack_positions), message.deepstack))
         if feed is not None:
             self._feeds[message.request_id] = feed
 

@@ -97,6 +97,19 @@ def test_length_limits(llm, tiny_qwen2):
     assert len(out.token_ids) == 12 and out.outputs[0].finish_reason == "length"
 
 
+def test_more_samples_than_seats_is_refused_not_hung(tiny_qwen2):
+    """n samples run side by side from the prompt on: n > max_num_seqs could never be
+    admitted (it used to wait for ever); it is a client error naming n."""
+    from omnistage.errors import InvalidRequestError
+
+    with Omni(tiny_qwen2, block_size=4, max_num_seqs=2) as small:
+        with pytest.raises(InvalidRequestError) as e:
+            small.generate(_ids(5, 1), SamplingParams(n=3, max_tokens=4))
+        assert e.value.param == "n"
+        [ok] = small.generate(_ids(5, 1), SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1))
+        assert len(ok.outputs) == 2 and all(len(o.token_ids) == 4 for o in ok.outputs)
+
+
 def test_repetition_penalty_matches_transformers(tiny_qwen2):
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     llm = Omni(tiny_qwen2)

@@ -151,16 +151,22 @@ def test_oversized_body_is_413(server, api_key):
 
 
 def test_queue_bound_gives_429_with_retry_after(tiny_qwen2, api_key, start_server):
-    """One seat, no waiting line: while a stream holds the seat, the next request gets 429."""
-    auth = {"Authorization": f"Bearer {api_key}"}
-    # ~1500 tokens: seconds on the tiny model, against milliseconds for the refused request
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    """One seat, no waiting line: while one request holds the seat, the next gets 429.
+
+    The seat is held deterministically: a request counts from its arrival until its response
+    ends, and this one's body never comes. Its `Expect: 100-continue` makes the server answer
+    "100 Continue" when the app starts reading the body, i.e. after admission took its seat."""
+    import socket
+    from urllib.parse import urlsplit
+
     with start_server(tiny_qwen2, "--max-num-seqs", "1", "--max-queued-requests", "0") as running:
+        url = urlsplit(running.base)
         client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0)
-        with httpx.stream("POST", f"{running.base}/v1/chat/completions", json=body, headers=auth,
-                          timeout=60) as held:
-            assert held.status_code == 200
-            next(line for line in held.iter_lines() if line)      # the stream is running
+        with socket.create_connection((url.hostname, url.port), timeout=30) as held:
+            held.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                         f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 1000\r\nExpect: 100-continue\r\n\r\n".encode())
+            assert held.recv(64).startswith(b"HTTP/1.1 100")          # admitted, reading its body
             with pytest.raises(openai.RateLimitError) as e:
                 client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
             assert e.value.response.headers["retry-after"] == "1"

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.models.qwen2_5_omni.messages import EncodedMedia, EncodeJob
+from omnistage.models.qwen2_5_omni.messages import EncodeJob
+from omnistage.models.qwen3_omni.messages import EncodedMedia
 from omnistage.models.qwen3_omni.audio_encoder import Qwen3OmniAudioEncoder
 from omnistage.models.qwen3_omni.vision_encoder import Qwen3OmniVisionEncoder
 
@@ -24,11 +25,11 @@ class Qwen3OmniEncoders:
         return [self._encode_one(job) for job in jobs]
 
     def _encode_one(self, job: EncodeJob) -> EncodedMedia:
-        enc = EncodedMedia(job.request_id, [], [], [])
         audio = [m.features.to(self.device) for m in job.media if m.kind == "audio"]
-        enc.audio = self.audio(audio) if audio else []
+        enc = EncodedMedia(job.request_id, self.audio(audio) if audio else [], [], [], [], [])
         for m in job.media:
             if m.kind != "audio":
-                embeds, _deepstack = self.vision.encode_item(m.features.to(self.device), tuple(m.grid_thw))
+                embeds, deepstack = self.vision.encode_item(m.features.to(self.device), tuple(m.grid_thw))
                 (enc.image if m.kind == "image" else enc.video).append(embeds)
+                (enc.image_deepstack if m.kind == "image" else enc.video_deepstack).append(torch.stack(deepstack))
         return enc

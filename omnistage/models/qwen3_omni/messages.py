@@ -1,6 +1,7 @@
 """Typed messages on Qwen3-Omni's edges.
 
-client -> encoder: EncodeJob (Qwen2.5-Omni's)    encoder -> thinker: ARRequest (merged prompt)
+client -> encoder: EncodeJob (Qwen2.5-Omni's)    encoder -> router: EncodedMedia (+ DeepStack)
+router -> thinker: ARRequest (merged prompt, DeepStack rows)
 thinker -> talker: TalkerStart, then TalkerText (the reply's embeddings as the thinker makes them)
 talker -> code2wav: CodecFrames                  code2wav -> client: AudioChunk (Qwen2.5-Omni's)
 
@@ -16,6 +17,18 @@ import torch
 from omnistage.sampling_params import SamplingParams
 
 TEXT, HIDDEN = 0, 1     # TalkerStart.kinds: which projection a row takes
+
+
+class EncodedMedia(msgspec.Struct):
+    """Encoder outputs per modality, each list in order of appearance in the prompt; an
+    image's or video's DeepStack features (K, rows, hidden) beside its main rows (rows, hidden)."""
+
+    request_id: str
+    audio: list[torch.Tensor]
+    image: list[torch.Tensor]
+    video: list[torch.Tensor]
+    image_deepstack: list[torch.Tensor]
+    video_deepstack: list[torch.Tensor]
 
 
 class TalkerStart(msgspec.Struct):

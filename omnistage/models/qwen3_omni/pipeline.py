@@ -23,7 +23,9 @@ from omnistage.layers.checkpoint import read_config
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
 from omnistage.models.qwen3_omni.loader import speakers
-from omnistage.models.qwen3_omni.processor import Qwen3OmniProcessor, Qwen3Prompt
+from omnistage.models.qwen3_omni.processor import (Qwen3OmniProcessor, Qwen3Prompt, TalkerLayout,
+                                                   talker_positions)
+from omnistage.models.qwen3_omni.rope_index import RopeIds
 from omnistage.models.qwen3_omni.recipe import RECIPE, Qwen3OmniSettings, load_thinker_tokenizer, speaks
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
 from omnistage.sampling_params import SamplingParams
@@ -60,9 +62,12 @@ class Qwen3OmniPipeline(GraphPipeline):
         self.voices = speakers(cfg) if audio_output else {}
         self.speakers = sorted(self.voices)
         self.im_start, self.assistant = cfg["im_start_token_id"], cfg["assistant_token_id"]
+        th = cfg["thinker_config"]
+        self.rope = RopeIds(th["vision_start_token_id"], th["image_token_id"], th["video_token_id"],
+                            th["vision_config"].get("spatial_merge_size", 2), th.get("position_id_per_seconds", 25))
+        self.talker_layout = TalkerLayout(self.im_start, cfg["user_token_id"], cfg["tts_pad_token_id"])
         self.processor = Qwen3OmniProcessor(self.tokenizer, _layout(cfg, self.tokenizer), _vision(model_dir),
-                                            self.settings.limits,
-                                            cfg["thinker_config"]["audio_config"].get("n_window", 50))
+                                            self.settings.limits, th["audio_config"].get("n_window", 50), self.rope)
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         positions = cfg["thinker_config"]["text_config"].get("max_position_embeddings", 32768)
         self.abilities = EngineAbilities(
@@ -92,8 +97,9 @@ class Qwen3OmniPipeline(GraphPipeline):
             raise InvalidRequestError("return_hidden_states is not offered for omni models",
                                       param="return_hidden_states")
         params = self.resolve(pp, params)
-        talker_params, speaker_id, assistant_at = None, -1, -1
+        talker_params, speaker_id, assistant_at, t_pos, t_delta = None, -1, -1, None, 0
         if opts.wants_audio(self.abilities):
+            t_pos, t_delta = talker_positions(pp, self.talker_layout, self.rope)
             speaker_id = self._voice(opts.voice)
             assistant_at = self._assistant_turn(pp.token_ids)
             talker_params = opts.talker_params or self.abilities.talker_defaults
@@ -102,7 +108,7 @@ class Qwen3OmniPipeline(GraphPipeline):
                 talker_params = replace(talker_params, suppress_token_ids=sorted(
                     {*talker_params.suppress_token_ids, *suppress}))
         req = Qwen3OmniRequest(request_id, pp.token_ids, pp.positions, pp.position_delta, pp.media,
-                               params, talker_params, speaker_id, assistant_at)
+                               params, talker_params, speaker_id, assistant_at, t_pos, t_delta)
         self.graph.add_request(request_id, req)
 
     def _voice(self, voice: str | None) -> int:

@@ -24,9 +24,11 @@ from omnistage.models.qwen2_5_omni.audio_features import LogMelConfig, LogMelExt
 from omnistage.models.qwen2_5_omni.messages import MediaInput
 from omnistage.models.qwen2_5_omni.processor import MEDIA_TYPES, MediaLimits, OmniProcessor
 from omnistage.models.qwen2_5_omni.prompt import expand_prompt
-from omnistage.models.qwen2_5_omni.rope_index import AudioItem, OmniLayout
+from omnistage.models.qwen2_5_omni.rope_index import AudioItem, ImageItem, OmniLayout, VideoItem
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
 from omnistage.models.qwen3_omni.audio_encoder import num_audio_tokens
+from omnistage.models.qwen3_omni.rope_index import RopeIds, VisionBlock, rope_positions
+from omnistage.models.qwen3_omni.router import user_positions
 
 
 @dataclass
@@ -39,12 +41,22 @@ class Qwen3Prompt:
     items: tuple = ()                   # the media descriptors, in prompt order
 
 
+@dataclass(frozen=True)
+class TalkerLayout:
+    """Ids the talker's prompt positions are computed from (see talker_positions)."""
+
+    im_start: int
+    user: int
+    tts_pad: int
+
+
 class Qwen3OmniProcessor(OmniProcessor):
     def __init__(self, tokenizer, layout: OmniLayout, vision: VisionPreprocessConfig,
-                 limits: MediaLimits, n_window: int):
+                 limits: MediaLimits, n_window: int, rope: RopeIds):
         super().__init__(tokenizer, layout, vision, limits)
         self.log_mel = LogMelExtractor(LogMelConfig(max_samples=None, padding="longest"))
         self.n_window = n_window
+        self.rope = rope
 
     def __call__(self, prompt, want_audio: bool, use_audio_in_video: bool = False) -> Qwen3Prompt:
         if use_audio_in_video:
@@ -60,12 +72,13 @@ class Qwen3OmniProcessor(OmniProcessor):
                 [self._template_view(m) for m in prompt], tokenize=False, add_generation_prompt=True)
         else:
             text, ids = self._plain(prompt)
-        if images or videos:
-            raise InvalidRequestError("images and videos are not served by this Qwen3-Omni build yet; "
-                                      "send text and audio", param="messages")
         expanded = expand_prompt(text if ids is None else list(ids), self.layout,
-                                 audios=[a[1] for a in audios], tokenizer=self.tokenizer)
-        return Qwen3Prompt(text, expanded.token_ids, [a[0] for a in audios], None, 0, expanded.media)
+                                 audios=[a[1] for a in audios], images=[i[1] for i in images],
+                                 videos=[v[1] for v in videos], tokenizer=self.tokenizer)
+        positions, delta = rope_positions(expanded.token_ids, vision_blocks(expanded.media), self.rope)
+        by_item = {id(item): inp for inp, item in audios + images + videos}
+        media = [by_item[id(item)] for item in expanded.media]     # prompt order
+        return Qwen3Prompt(text, expanded.token_ids, media, positions, delta, expanded.media)
 
     @staticmethod
     def _plain(prompt) -> tuple[str | None, list[int] | None]:
@@ -87,3 +100,33 @@ class Qwen3OmniProcessor(OmniProcessor):
             raise InvalidRequestError(f"{where}: the audio is too short to yield a token; send at "
                                       "least 30 ms of audio", param=where)
         return media, AudioItem(n)
+
+
+def vision_blocks(items) -> list[VisionBlock]:
+    """The images and videos among a prompt's media descriptors, in order."""
+    return [VisionBlock(tuple(m.grid_thw), 1.0 if isinstance(m, ImageItem) else m.second_per_grid)
+            for m in items if isinstance(m, (ImageItem, VideoItem))]
+
+
+def talker_positions(pp: Qwen3Prompt, layout: TalkerLayout, rope: RopeIds) -> tuple[torch.Tensor | None, int]:
+    """The talker prompt's positions: transformers computes them from the user turns' token
+    ids followed by the assistant part's 9 (tts_pad) ids, with the prompt's images and videos
+    (here: those inside user turns; the reference pairs them by order with all of the
+    prompt's, which differs only when one sits outside a user turn)."""
+    tokens = torch.tensor(pp.token_ids)
+    user = user_positions(tokens, layout.im_start, layout.user)
+    ids = tokens[user].tolist() + [layout.tts_pad] * 9
+    blocks, seen, where = [], 0, user.tolist()
+    for item in pp.items:
+        if isinstance(item, (ImageItem, VideoItem)):
+            seen_at = _block_start(pp.token_ids, rope, seen)
+            if where[seen_at]:
+                blocks.append(vision_blocks([item])[0])
+            seen += 1
+    return rope_positions(ids, blocks, rope)
+
+
+def _block_start(ids: list[int], rope: RopeIds, index: int) -> int:
+    """Prompt index of the `index`-th image/video block's <|vision_start|>."""
+    starts = [i for i in range(len(ids) - 1) if ids[i] == rope.vision_start and ids[i + 1] in (rope.image, rope.video)]
+    return starts[index]

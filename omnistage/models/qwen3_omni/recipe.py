@@ -138,8 +138,8 @@ def build_router(config: EngineConfig, settings: Qwen3OmniSettings) -> Qwen3Omni
 
 
 def _message_types() -> list[type]:
-    from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodedMedia, EncodeJob
-    from omnistage.models.qwen3_omni.messages import CodecFrames, TalkerStart, TalkerText
+    from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodeJob
+    from omnistage.models.qwen3_omni.messages import CodecFrames, EncodedMedia, TalkerStart, TalkerText
     from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
 
     return [ARRequest, ARFeed, ARStepOutput, EncodeJob, EncodedMedia, TalkerStart, TalkerText,

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.graph import CLIENT, Edge
-from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodedMedia, EncodeJob
-from omnistage.models.qwen3_omni.messages import HIDDEN, TEXT, CodecFrames, TalkerStart, TalkerText
+from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodeJob
+from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, CodecFrames, EncodedMedia, TalkerStart,
+                                                  TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
 from omnistage.outputs import Delta
 from omnistage.stage_messages import StageOutput
@@ -79,11 +80,13 @@ class Qwen3OmniRouter:
             return [("encoder", EncodeJob(req.request_id, req.media))]
         return [("thinker", self._thinker_request(req, None, None))]
 
-    def _thinker_request(self, req: Qwen3OmniRequest, embeds, positions) -> ARRequest:
+    def _thinker_request(self, req: Qwen3OmniRequest, embeds, positions, deepstack=None) -> ARRequest:
+        ds, ds_at = deepstack if deepstack is not None else (None, None)
         return ARRequest(req.request_id, req.prompt_token_ids, req.thinker_params,
                          prompt_embeds=embeds, mm_positions=positions,
                          mrope_positions=req.mrope_positions, position_delta=req.position_delta,
-                         return_hidden_states=req.talker_params is not None)
+                         return_hidden_states=req.talker_params is not None,
+                         deepstack=ds, deepstack_positions=ds_at)
 
     def route(self, out: StageOutput) -> list[tuple[str, object]]:
         flow = self.flows.get(out.request_id)
@@ -98,17 +101,27 @@ class Qwen3OmniRouter:
         return self._from_code2wav(flow, out.payload)
 
     def _merged(self, flow: _Flow, enc: EncodedMedia) -> ARRequest:
-        """Encoder rows go to the placeholder positions of their modality, in prompt order."""
+        """Encoder rows go to the placeholder positions of their modality, in prompt order; the
+        images' and videos' DeepStack rows to their positions, in prompt order (the reference's
+        joint order)."""
         ids = torch.tensor(flow.req.prompt_token_ids)
-        rows, positions = [], []
-        for token, embeds in zip(self.ids.media, (enc.audio, enc.image, enc.video)):
+        rows, positions, visual = [], [], []
+        for token, embeds, stacks in zip(self.ids.media, (enc.audio, enc.image, enc.video),
+                                         (None, enc.image_deepstack, enc.video_deepstack)):
             where = torch.nonzero(ids == token).squeeze(1)
             got = sum(e.shape[0] for e in embeds)
             if got != where.numel():
                 raise RuntimeError(f"encoder gave {got} rows for {where.numel()} placeholders of token {token}")
             rows += embeds
             positions += where.tolist()
-        return self._thinker_request(flow.req, torch.cat(rows), positions)
+            if stacks:
+                visual.append((where, torch.cat(stacks, dim=1)))           # (V_m,), (K, V_m, H)
+        deepstack = None
+        if visual:
+            at = torch.cat([w for w, _ in visual])
+            order = torch.argsort(at)
+            deepstack = (torch.cat([d for _, d in visual], dim=1)[:, order], at[order].tolist())
+        return self._thinker_request(flow.req, torch.cat(rows), positions, deepstack)
 
     # ---- thinker -> talker ------------------------------------------------------------------
     def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:

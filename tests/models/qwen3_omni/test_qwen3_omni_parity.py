@@ -185,3 +185,76 @@ def test_eight_concurrent_requests_equal_each_alone(omni, hf):
             np.testing.assert_allclose(a.audio, b.audio, atol=1e-5)
     assert len({tuple(a.token_ids) for a in alone}) > 4          # the prompts differ in their answers
     assert sum(a.audio is not None for a in alone) >= 6
+
+
+def _png_bytes(w: int, h: int, seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _mp4_bytes(frames: int = 8, fps: int = 4, size: int = 64) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size, size, "yuv420p"
+        rng = np.random.default_rng(2)
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def hf_media(pp) -> dict:
+    """Our preprocessed media (held to the HF processors by their own tests) as generate's kwargs."""
+    kw, images, videos = {}, [m for m in pp.media if m.kind == "image"], [m for m in pp.media if m.kind == "video"]
+    audios = [m.features for m in pp.media if m.kind == "audio"]
+    if audios:
+        kw["input_features"] = audios[0][None]
+        kw["feature_attention_mask"] = torch.ones(1, audios[0].shape[-1], dtype=torch.long)
+    if images:
+        kw["pixel_values"] = torch.cat([m.features for m in images])
+        kw["image_grid_thw"] = torch.tensor([list(m.grid_thw) for m in images])
+    if videos:
+        kw["pixel_values_videos"] = torch.cat([m.features for m in videos])
+        kw["video_grid_thw"] = torch.tensor([list(m.grid_thw) for m in videos])
+        kw["video_second_per_grid"] = torch.tensor([v.second_per_grid for v in pp.items if hasattr(v, "second_per_grid")])
+    return kw
+
+
+MEDIA = {
+    "image": [{"type": "image", "image": _png_bytes(80, 48, 1)}, {"type": "text", "text": "What is it?"}],
+    "video": [{"type": "video", "video": _mp4_bytes()}, {"type": "text", "text": "What happens?"}],
+    "two-images-and-audio": [{"type": "image", "image": _png_bytes(64, 64, 2)},
+                             {"type": "audio", "audio": _wav_bytes(0.9, 440.0)},
+                             {"type": "image", "image": _png_bytes(32, 96, 3)}, {"type": "text", "text": "And?"}],
+}
+
+
+@pytest.mark.parametrize("kind", list(MEDIA))
+def test_vision_prompts_tokens_and_codes_equal_transformers(omni, hf, kind):
+    """Images and videos: DeepStack rows, 3-D positions in the thinker and in the talker."""
+    hf_model, _ = hf
+    prompt = [{"role": "user", "content": MEDIA[kind]}]
+    pp = omni.engine.prepare(prompt, OutputOptions(voice="Ethan"))
+    assert pp.positions is not None                        # 3-D positions: the vision path
+    ids = torch.tensor([pp.token_ids])
+    if "audio" in kind:
+        # transformers' talker cannot place audio beside images (its get_rope_index reads
+        # talker_config.audio_config, which does not exist): the thinker alone is the oracle
+        want = hf_model.thinker.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, **hf_media(pp))
+        [out] = omni.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              output=OutputOptions(modalities=["text"]))
+        assert out.token_ids == want[0, ids.shape[1]:].tolist()
+        return
+    want_tokens, want_codes = hf_generate(hf_model, ids, 8, **hf_media(pp))
+    out, codes = ours_generate(omni, prompt, hf_model, 8)
+    assert out.token_ids == want_tokens
+    assert torch.equal(codes, want_codes)
