@@ -69,6 +69,7 @@ class MoeShape:
     num_experts: int
     num_experts_per_tok: int
     mrope_section: tuple[int, int, int]    # sums to head_dim / 2
+    max_position_embeddings: int = 32768   # (a tiny one keeps its KV pool, and start-up, small)
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,13 @@ class Qwen3OmniSize:
 
 SIZES: dict[str, Qwen3OmniSize] = {
     "tiny": Qwen3OmniSize(
-        text=MoeShape(640, 64, 2, 4, 2, 16, 32, 4, 2, (2, 3, 3)),
+        text=MoeShape(640, 64, 2, 4, 2, 16, 32, 4, 2, (2, 3, 3), 4096),
         accept_hidden_layer=1,
         audio={"d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
                "downsample_hidden_size": 16},
         vision={"hidden_size": 32, "depth": 2, "num_heads": 2, "intermediate_size": 64,
                 "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]},
-        talker=MoeShape(64 + 1024, 32, 2, 4, 2, 16, 32, 4, 2, (2, 3, 3)),
+        talker=MoeShape(64 + 1024, 32, 2, 4, 2, 16, 32, 4, 2, (2, 3, 3), 4096),
         shared_expert_size=32,
         codebook=64,
         predictor={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -122,9 +123,9 @@ SIZES: dict[str, Qwen3OmniSize] = {
 
 
 def _moe_fields(shape: MoeShape) -> dict[str, Any]:
-    fields = {k: v for k, v in asdict(shape).items() if k != "mrope_section"}
+    fields = {k: v for k, v in asdict(shape).items() if k not in ("mrope_section", "max_position_embeddings")}
     return {**fields, "intermediate_size": 2 * shape.moe_intermediate_size, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 32768,
+            "max_position_embeddings": shape.max_position_embeddings,
             "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA,
                                 "mrope_section": list(shape.mrope_section), "interleaved": True}}
 

@@ -358,7 +358,10 @@ class Code2Wav(nn.Module):
         self.config = c
         device = torch.device(device)
         with torch.device("meta"):
-            self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
+            # (an empty weight: nn.Embedding's own init on the meta device imports torch._dynamo, ~2 s)
+            self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size,
+                                               _weight=torch.empty(c.codebook_size * c.num_quantizers,
+                                                                   c.hidden_size))
             self.pre_transformer = PreTransformer(c, dtype)
             # upsample.{i} = [transposed conv x r, ConvNeXt]: (B, E, L) -> (B, E, L * r)
             self.upsample = nn.ModuleList(

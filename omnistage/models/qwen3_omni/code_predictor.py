@@ -92,15 +92,18 @@ class CodePredictor(nn.Module):
         super().__init__()
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"code predictor hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
-        h, groups = c["hidden_size"], c["num_code_groups"]
-        self.num_code_groups, self.vocab_size = groups, c["vocab_size"]
+        h, groups, v = c["hidden_size"], c["num_code_groups"], c["vocab_size"]
+        self.num_code_groups, self.vocab_size = groups, v
+        meta = torch.device("meta")            # built empty: the checkpoint fills every tensor
         self.model = nn.Module()
-        self.model.layers = nn.ModuleList(_Layer(c, dtype, device) for _ in range(c["num_hidden_layers"]))
-        self.model.norm = _Norm(h, c["rms_norm_eps"], dtype, device)
+        self.model.layers = nn.ModuleList(_Layer(c, dtype, meta) for _ in range(c["num_hidden_layers"]))
+        self.model.norm = _Norm(h, c["rms_norm_eps"], dtype, meta)
         self.model.codec_embedding = nn.ModuleList(
-            nn.Embedding(c["vocab_size"], h, dtype=dtype, device=device) for _ in range(groups - 1))
-        self.lm_head = nn.ModuleList(nn.Linear(h, c["vocab_size"], bias=False, dtype=dtype, device=device)
+            nn.Embedding(v, h, _weight=torch.empty(v, h, dtype=dtype, device=meta)) for _ in range(groups - 1))
+        self.lm_head = nn.ModuleList(nn.Linear(h, v, bias=False, dtype=dtype, device=meta)
                                      for _ in range(groups - 1))
+        self.to_empty(device=device)
+        self.requires_grad_(False)
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),
                                     device)

@@ -38,3 +38,34 @@ def speakers(cfg: dict) -> dict[str, int]:
     if not isinstance(raw, dict) or not all(isinstance(v, int) for v in raw.values()):
         raise CheckpointError("config.json: talker_config.speaker_id must map voice names to codec ids")
     return dict(raw)
+
+
+def check_config(cfg: dict, where: str) -> None:
+    """The parts of a Qwen3-Omni config.json that must agree, checked before any weight is
+    read: ModelLoadError naming the field that does not fit."""
+    try:
+        text = cfg["thinker_config"]["text_config"]
+        if not cfg.get("enable_audio_output", True):
+            return
+        t, c2w = cfg["talker_config"], cfg["code2wav_config"]
+        pairs = [
+            ("talker_config.thinker_hidden_size", t["thinker_hidden_size"], text["hidden_size"],
+             "the thinker's hidden_size"),
+            ("talker_config.code_predictor_config.hidden_size", t["code_predictor_config"]["hidden_size"],
+             t["text_config"]["hidden_size"], "the talker's hidden_size"),
+            ("talker_config.num_code_groups", t["num_code_groups"], c2w["num_quantizers"],
+             "code2wav_config.num_quantizers"),
+            ("talker_config.code_predictor_config.vocab_size", t["code_predictor_config"]["vocab_size"],
+             c2w["codebook_size"], "code2wav_config.codebook_size"),
+        ]
+        for name, got, want, what in pairs:
+            if got != want:
+                raise ModelLoadError(f"{where}: {name} is {got}, but {what} is {want}; the folder's "
+                                     f"talker does not fit its thinker")
+        layer = t["accept_hidden_layer"]
+        if not 0 <= layer <= text["num_hidden_layers"]:
+            raise ModelLoadError(f"{where}: talker_config.accept_hidden_layer {layer} is not a layer of "
+                                 f"the thinker's {text['num_hidden_layers']}")
+        speakers(cfg)
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: a Qwen3-Omni config needs {e.args[0]!r}") from None

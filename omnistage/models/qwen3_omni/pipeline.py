@@ -22,7 +22,7 @@ from omnistage.graph_pipeline import GraphPipeline
 from omnistage.layers.checkpoint import read_config
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
-from omnistage.models.qwen3_omni.loader import speakers
+from omnistage.models.qwen3_omni.loader import check_config, speakers
 from omnistage.models.qwen3_omni.processor import (Qwen3OmniProcessor, Qwen3Prompt, TalkerLayout,
                                                    talker_positions)
 from omnistage.models.qwen3_omni.rope_index import RopeIds
@@ -54,6 +54,7 @@ class Qwen3OmniPipeline(GraphPipeline):
     recipe = RECIPE
 
     def __init__(self, config: EngineConfig, settings: Qwen3OmniSettings | None = None, placement=None):
+        check_config(read_config(config.model), str(Path(config.model) / "config.json"))
         super().__init__(config, settings, placement)
         model_dir = Path(config.model)
         cfg = read_config(model_dir)

@@ -158,8 +158,10 @@ class Qwen3OmniVisionEncoder(nn.Module):
         self.merger_list = nn.ModuleList(PatchMerger(c, dtype, norm_after_merge=True)
                                          for _ in c.deepstack_visual_indexes)
         self.patch_embed = PatchEmbed(c, dtype)
-        self.pos_embed = nn.Embedding(c.num_position_embeddings, c.hidden_size, dtype=dtype,
-                                      device="meta")
+        # (given an empty weight: nn.Embedding's own init on the meta device imports torch._dynamo, ~2 s)
+        self.pos_embed = nn.Embedding(c.num_position_embeddings, c.hidden_size,
+                                      _weight=torch.empty(c.num_position_embeddings, c.hidden_size,
+                                                          dtype=dtype, device="meta"))
         self.blocks = nn.ModuleList(VisionBlock(c, dtype) for _ in range(c.depth))
         self.merger = PatchMerger(c, dtype, norm_after_merge=False)
         self.to_empty(device=device)          # parameters are filled by the checkpoint loader

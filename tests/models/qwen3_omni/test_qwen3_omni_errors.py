@@ -1,0 +1,87 @@
+"""Qwen3-Omni's bad input: folders that cannot serve (a missing component, a talker that does
+not fit its thinker) fail to load with a typed error naming what is wrong; bad requests (an
+unknown voice, speech without a chat turn, audio from a text-only folder) are client errors
+naming the field, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from omnistage import Omni, SamplingParams
+from omnistage.engine_api import OutputOptions
+from omnistage.errors import CheckpointError, InvalidRequestError, ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    from omnistage.tiny import build_tiny
+
+    return str(build_tiny("qwen3_omni", tmp_path_factory.mktemp("q3-errors"), seed=0))
+
+
+def _copy(folder, tmp_path, edit_config=None, drop_prefix=None):
+    out = tmp_path / "broken"
+    shutil.copytree(folder, out)
+    if edit_config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    if drop_prefix is not None:
+        weights = load_file(str(out / "model.safetensors"))
+        save_file({k: v for k, v in weights.items() if not k.startswith(drop_prefix)}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return str(out)
+
+
+def test_missing_code2wav_weights_name_the_component(folder, tmp_path):
+    broken = _copy(folder, tmp_path, drop_prefix="code2wav.")
+    with pytest.raises(CheckpointError, match="code2wav"):
+        Omni(broken)
+
+
+def test_talker_that_does_not_fit_its_thinker(folder, tmp_path):
+    def edit(cfg):
+        cfg["talker_config"]["thinker_hidden_size"] = 96
+    with pytest.raises(ModelLoadError, match="thinker_hidden_size"):
+        Omni(_copy(folder, tmp_path, edit_config=edit))
+
+
+def test_accept_layer_beyond_the_thinker(folder, tmp_path):
+    def edit(cfg):
+        cfg["talker_config"]["accept_hidden_layer"] = 9
+    with pytest.raises(ModelLoadError, match="accept_hidden_layer"):
+        Omni(_copy(folder, tmp_path, edit_config=edit))
+
+
+def test_bad_requests_are_client_errors_and_the_engine_goes_on(folder):
+    with Omni(folder, num_threads=1) as omni:
+        chat = [{"role": "user", "content": "hi"}]
+        with pytest.raises(InvalidRequestError) as e:
+            omni.generate(chat, SamplingParams(max_tokens=2), output=OutputOptions(voice="Nobody"))
+        assert e.value.param == "voice"
+        with pytest.raises(InvalidRequestError) as e:        # speech needs the assistant's turn
+            omni.generate("plain text", SamplingParams(max_tokens=2), output=OutputOptions(voice="Ethan"))
+        assert e.value.param == "messages"
+        with pytest.raises(InvalidRequestError) as e:
+            omni.generate(chat, SamplingParams(max_tokens=2, n=2))
+        assert e.value.param == "n"
+        [ok] = omni.generate(chat, SamplingParams(max_tokens=3, temperature=0), output=OutputOptions(voice="aiden"))
+        assert len(ok.token_ids) >= 1
+
+
+def test_text_only_folder_serves_text_and_refuses_audio(folder, tmp_path):
+    def edit(cfg):
+        cfg["enable_audio_output"] = False
+    with Omni(_copy(folder, tmp_path, edit_config=edit), num_threads=1) as omni:
+        assert list(omni.engine.graph.stages) == ["encoder", "thinker"]
+        assert not omni.engine.abilities.audio_output
+        [out] = omni.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, temperature=0))
+        assert out.token_ids and out.audio is None
+        with pytest.raises(InvalidRequestError) as e:
+            omni.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                          output=OutputOptions(modalities=["text", "audio"]))
+        assert e.value.param in ("modalities", "audio")
