@@ -327,6 +327,17 @@ class Code2WavWindow:
     start: int
     end: int
     left_context: int = 25
+    # False: emit what transformers' chunked_decode emits for the chunk (from start * spf: the
+    # trimmed_samples before it were never emitted by the chunk before, a gap at every
+    # boundary). True: emit from start * spf - trimmed_samples (a chunk with context), so the
+    # chunks join without gaps into the whole-utterance decode's timeline (T * spf - trimmed
+    # samples), equal to it where the context covers the decoder's reach.
+    seamless: bool = False
+
+    def emit_from(self, spf: int, trimmed: int) -> int:
+        """Index in the window's waveform of the chunk's first emitted sample."""
+        shift = trimmed if self.seamless and self.context * spf >= trimmed else 0
+        return self.context * spf - shift
 
     @property
     def context(self) -> int:
@@ -442,7 +453,7 @@ class Code2Wav(nn.Module):
         for idx in by_len.values():
             wav = self(torch.stack([windows[i].window() for i in idx]))[:, 0]   # (G, S)
             for row, i in enumerate(idx):
-                out[i] = wav[row, windows[i].context * spf:]
+                out[i] = wav[row, windows[i].emit_from(spf, self.trimmed_samples):]
         return out
 
     def decode_window(self, codes: torch.Tensor, start: int, end: int,

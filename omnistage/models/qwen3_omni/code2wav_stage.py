@@ -2,7 +2,9 @@
 
 Each request's frames are decoded chunk by chunk as they arrive, as transformers'
 `chunked_decode` decodes a chunk: the window of the chunk's frames plus up to `left_context`
-frames before it, the context's samples dropped (Code2Wav.decode_windows). The chunk sizes
+frames before it, the context's samples dropped (Code2Wav.decode_windows); `seamless` (the
+default) emits each later chunk from trimmed_samples earlier, so the chunks join into the
+whole-utterance waveform instead of leaving chunked_decode's 23 ms gap at each boundary. The chunk sizes
 grow: `first_chunk` frames, then doubling up to `max_chunk`, so a request's first audio needs
 only its first few frames while later chunks pay the left context's recomputation over more
 output. When the talker has finished, the frames left over go out as one last chunk.
@@ -30,6 +32,10 @@ class Code2WavSettings:
     first_chunk: int = 4         # frames of a request's first chunk (0.32 s of speech at 12.5 Hz)
     max_chunk: int = 32          # chunk sizes double from first_chunk up to this
     left_context: int = 25       # frames of context before each chunk (transformers' default)
+    # True: the chunks join without gaps into the whole decode's waveform (what transformers'
+    # generate returns for answers up to its 300-frame chunk); False: each chunk as
+    # transformers' chunked_decode emits it (23 ms of the timeline dropped at every boundary).
+    seamless: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.first_chunk <= self.max_chunk or self.left_context < 0:
@@ -90,7 +96,7 @@ class Code2WavStage(Stage):
         ready = self._ready()
         chunks = [(rid, end) for rid, end in ready if end is not None]
         windows = [Code2WavWindow(self._streams[rid].codes(), self._streams[rid].done, end,
-                                  self.settings.left_context) for rid, end in chunks]
+                                  self.settings.left_context, self.settings.seamless) for rid, end in chunks]
         pcm = dict(zip((rid for rid, _ in chunks), self.model.decode_windows(windows) if windows else []))
         out = []
         for rid, end in ready:

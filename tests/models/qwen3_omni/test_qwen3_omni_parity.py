@@ -59,17 +59,18 @@ def talker_params(hf_model) -> SamplingParams:
                           suppress_token_ids=[i for i in range(vocab - 1024, vocab) if i != t.codec_eos_token_id])
 
 
-def hf_generate(hf_model, ids: torch.Tensor, max_tokens: int, **media) -> tuple[list[int], torch.Tensor]:
-    """(thinker's new tokens, codes (16, F)) of transformers' greedy generate."""
+def hf_generate(hf_model, ids: torch.Tensor, max_tokens: int, with_wav: bool = False, **media):
+    """(thinker's new tokens, codes (16, F)[, waveform (S,)]) of transformers' greedy generate."""
     seen = []
     hook = hf_model.code2wav.register_forward_hook(lambda m, args, out: seen.append(args[0][0].clone()))
     try:
-        seq, _ = hf_model.generate(ids, speaker="Ethan", thinker_max_new_tokens=max_tokens,
-                                   thinker_do_sample=False, talker_do_sample=False,
-                                   talker_max_new_tokens=FRAMES, talker_min_new_tokens=FRAMES, **media)
+        seq, wav = hf_model.generate(ids, speaker="Ethan", thinker_max_new_tokens=max_tokens,
+                                     thinker_do_sample=False, talker_do_sample=False,
+                                     talker_max_new_tokens=FRAMES, talker_min_new_tokens=FRAMES, **media)
     finally:
         hook.remove()
-    return seq[0, ids.shape[1]:].tolist(), seen[0]
+    out = (seq[0, ids.shape[1]:].tolist(), seen[0])
+    return out + (wav[0, 0].numpy(),) if with_wav else out
 
 
 def ours_generate(omni, prompt, hf_model, max_tokens: int):
@@ -117,20 +118,37 @@ def test_text_only_thinker_tokens_equal_transformers(omni, hf):
 
 
 def test_speech_codes_and_waveform_equal_transformers(omni, hf):
+    """The streamed chunks join (seamless, the default) into the waveform transformers'
+    generate returns: its whole-utterance decode."""
     hf_model, tok = hf
     for messages in PROMPTS[:2]:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                       return_dict=True)["input_ids"]
-        want_tokens, want_codes = hf_generate(hf_model, ids, 10)
+        want_tokens, want_codes, want_wav = hf_generate(hf_model, ids, 10, with_wav=True)
         out, codes = ours_generate(omni, messages, hf_model, 10)
         assert out.token_ids == want_tokens
         assert want_codes.shape == (16, FRAMES - 1)      # the last code 0 gets no frame
         assert torch.equal(codes, want_codes)            # all 16 codebooks
-        settings = omni.engine.graph.stages["code2wav"].settings
-        want_wav = chunked_like_ours(hf_model, want_codes, settings)
+        assert omni.engine.graph.stages["code2wav"].settings.seamless
         assert out.audio.shape == want_wav.shape and out.sample_rate == 24000
         np.testing.assert_allclose(out.audio, want_wav, atol=1e-4)      # measured ~1e-6
         assert np.abs(want_wav).max() > 0.05                              # a real waveform
+
+
+def test_chunked_decode_semantics_on_request(folder, hf):
+    """seamless=False: each streamed chunk is what transformers' chunked_decode emits for it
+    (the same windows), gaps at the boundaries included."""
+    from omnistage.models.qwen3_omni.code2wav_stage import Code2WavSettings
+    from omnistage.models.qwen3_omni.recipe import Qwen3OmniSettings
+
+    hf_model, tok = hf
+    settings = Qwen3OmniSettings(code2wav=Code2WavSettings(first_chunk=2, max_chunk=4, seamless=False))
+    with Omni(folder, num_threads=1, omni_settings=settings) as omni:
+        out, codes = ours_generate(omni, PROMPTS[0], hf_model, 10)
+    want = chunked_like_ours(hf_model, codes, settings.code2wav)
+    # chunks of 2, 4, 2 frames: each loses the 555 samples its window cannot end with
+    assert out.audio.shape == want.shape == ((FRAMES - 1) * 1920 - 3 * 555,)
+    np.testing.assert_allclose(out.audio, want, atol=1e-4)
 
 
 def _wav_bytes(seconds: float, freq: float) -> bytes:
