@@ -23,7 +23,8 @@ Sizes (`count_parameters`): tiny ~0.6M (text 64 wide, 2 layers, 4 experts top-2;
 wide, 2 layers, 4 experts top-2 + shared; code predictor 1 layer; code2wav 32 wide); small
 ~150M (text 512 wide, 8 layers, 8 experts top-2, vocab 32000; audio 4 layers of 256; vision 4
 blocks of 256, DeepStack at 1..3; talker 384 wide, 4 layers, 8 experts top-2 + shared; code
-predictor 3 layers of 256, 16 code groups; code2wav 256 wide, 4 layers). 12.5 Hz codes (1920
+predictor 3 layers of 384 (the talker's width: it reads the talker's states), 16 code groups;
+code2wav 256 wide, 4 layers). 12.5 Hz codes (1920
 samples per frame at 24 kHz), as the real model.
 
 Weights: `omnistage.tiny.init` scales for every linear, embedding and norm; MoE experts and
@@ -81,7 +82,7 @@ class Qwen3OmniSize:
     talker: MoeShape
     shared_expert_size: int
     codebook: int                   # code2wav codebook = code predictor vocab
-    predictor: dict[str, int]       # code_predictor_config fields
+    predictor: dict[str, int]       # code_predictor_config fields (hidden_size = the talker's)
     code2wav: dict[str, Any]
     talker_defaults: Qwen3TalkerDefaults
 
@@ -113,8 +114,8 @@ SIZES: dict[str, Qwen3OmniSize] = {
         talker=MoeShape(2048 + 1024, 384, 4, 6, 2, 64, 384, 8, 2, (8, 12, 12)),
         shared_expert_size=384,
         codebook=2048,
-        predictor={"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 3,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64},
+        predictor={"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3,
+                   "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
         code2wav={"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
                   "num_key_value_heads": 4, "intermediate_size": 768, "decoder_dim": 256},
         talker_defaults=Qwen3TalkerDefaults(max_new_tokens=75),
