@@ -85,3 +85,14 @@ def test_text_only_folder_serves_text_and_refuses_audio(folder, tmp_path):
             omni.generate([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
                           output=OutputOptions(modalities=["text", "audio"]))
         assert e.value.param in ("modalities", "audio")
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_every_tiny_size_is_a_consistent_folder(size):
+    """The builder's sizes pass the checks a real folder must pass (no weights built)."""
+    from omnistage.models.qwen3_omni.loader import check_config
+    from omnistage.tiny.qwen3_omni import SIZES, make_config
+    from omnistage.tiny.qwen3_omni_files import build_qwen3_omni_tokenizer
+
+    _, ids = build_qwen3_omni_tokenizer(SIZES[size].text.vocab_size, 32768)
+    check_config(make_config(size, {}, ids).to_dict(), f"tiny {size}")
