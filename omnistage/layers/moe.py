@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.linear import TransposedLinear
+from omnistage.layers.mlp import SwiGLU
 
 
 @dataclass(frozen=True)
@@ -32,19 +33,6 @@ class MoeShape:
     top_k: int
     norm_topk_prob: bool            # renormalise the top-k probabilities to sum to 1
     shared_expert_size: int = 0     # 0: no shared expert
-
-
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate|up merged in one product."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up = TransposedLinear(hidden, [intermediate] * 2, bias=False, dtype=dtype)
-        self.down = TransposedLinear(intermediate, [hidden], bias=False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
 
 
 class MoeMLP(nn.Module):

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.attention import AttentionMetadata, KVCache, attend_projections
 from omnistage.layers.linear import TransposedLinear
+from omnistage.layers.mlp import SwiGLU
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.models.paged_lm import PagedDecoderLM
 
 
 @dataclass
@@ -78,24 +78,13 @@ class Qwen2Attention(nn.Module):
         return self.o(o if out_rows is None else o[out_rows])
 
 
-class Qwen2MLP(nn.Module):
-    def __init__(self, c: Qwen2Config, dtype: torch.dtype):
-        super().__init__()
-        self.gate_up = TransposedLinear(c.hidden_size, [c.intermediate_size] * 2, bias=False, dtype=dtype)
-        self.down = TransposedLinear(c.intermediate_size, [c.hidden_size], bias=False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
-
-
 class Qwen2DecoderLayer(nn.Module):
     def __init__(self, c: Qwen2Config, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = Qwen2Attention(c, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = Qwen2MLP(c, dtype)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, dtype)
 
     def forward(self, h, cos_sin, cache, meta, out_rows: torch.Tensor | None = None):
         a = self.self_attn(self.input_layernorm(h), cos_sin, cache, meta, out_rows)
@@ -103,44 +92,12 @@ class Qwen2DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen2ForCausalLM(nn.Module):
-    """Parameters start on the meta device; the loader materialises and fills them."""
-
+class Qwen2ForCausalLM(PagedDecoderLM):
     config_class = Qwen2Config
-    # Checkpoint names: "<prefix>model.layers..." and "<lm_head>.weight".
-    weight_prefix = ""
-    lm_head_name = "lm_head"
 
     def __init__(self, c: Qwen2Config, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.config = c
-        self.embed_tokens = nn.Parameter(
-            torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device="meta"), requires_grad=False)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        # Tied models keep a transposed copy of the embedding: the lm_head matmul is the
-        # largest single read of a decode step and wants the fast layout.
-        self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype)
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device,
-                                    c.mrope_section)
-        # 3: positions are (3, T) multimodal RoPE rows (t, h, w); 1: plain (T,) positions.
-        self.position_dims = 3 if c.mrope_section else 1
-
-    # ---- the engine-facing interface ------------------------------------------------------
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(num_layers, num_kv_heads, head_dim) of the KV cache this model needs."""
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def input_size(self) -> int:
-        """Width of the vectors forward() takes (prompt embeddings must match it)."""
-        return self.config.hidden_size
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) ids -> (T, hidden)."""
-        return F.embedding(input_ids, self.embed_tokens)
+        super().__init__(c, nn.ModuleList(Qwen2DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers)),
+                         dtype, device)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 caches: list[KVCache], meta: AttentionMetadata,
@@ -154,10 +111,6 @@ class Qwen2ForCausalLM(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos_sin, cache, meta, out_rows if i == last else None)
         return self.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(S, hidden) -> (S, vocab) float32."""
-        return self.lm_head(hidden).float()
 
     # ---- loading --------------------------------------------------------------------------
     _SHARDS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
@@ -198,17 +151,6 @@ class Qwen2ForCausalLM(nn.Module):
                 raise KeyError(name)
         return loaded
 
-    def _local_name(self, name: str) -> str:
-        """Checkpoint name -> the plain Qwen2 name ("model.…" / "lm_head.weight"); names
-        outside this model raise KeyError."""
-        if name == f"{self.lm_head_name}.weight":
-            return "lm_head.weight"
-        if self.weight_prefix:
-            if not name.startswith(self.weight_prefix):
-                raise KeyError(name)
-            return name[len(self.weight_prefix):]
-        return name
-
     def expected_loads(self) -> set[str]:
         """What load_weights must fill for the model to be complete."""
         out = {"embed_tokens", "lm_head.weight_t", "norm.weight"}
@@ -219,9 +161,3 @@ class Qwen2ForCausalLM(nn.Module):
             out |= {f"{p}.self_attn.qkv.{k}#{s}" for k in ("weight_t", "bias") for s in range(3)}
             out |= {f"{p}.mlp.gate_up.weight_t#{s}" for s in range(2)}
         return out
-
-    @staticmethod
-    def _copy(param: torch.Tensor, w: torch.Tensor) -> None:
-        if param.shape != w.shape:
-            raise ValueError(f"shape {tuple(w.shape)} does not match the config's {tuple(param.shape)}")
-        param.copy_(w)

@@ -28,15 +28,15 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.attention import AttentionMetadata, KVCache, attend_projections
 from omnistage.layers.linear import TransposedLinear
-from omnistage.layers.moe import MoeMLP, MoeShape, SwiGLU
+from omnistage.layers.mlp import SwiGLU
+from omnistage.layers.moe import MoeMLP, MoeShape
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.llm.model_output import LMOutput
+from omnistage.models.paged_lm import PagedDecoderLM
 
 
 @dataclass
@@ -139,40 +139,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    """Parameters start on the meta device; the loader materialises and fills them."""
-
+class Qwen3MoeForCausalLM(PagedDecoderLM):
     config_class = Qwen3MoeConfig
-    weight_prefix = ""                 # checkpoint names: "<prefix>model.layers..."
     embed_name = "model.embed_tokens"  # (after the prefix)
-    lm_head_name = "lm_head"           # full checkpoint name, without ".weight"
     export_layer: int | None = None    # see the module docstring
 
     def __init__(self, c: Qwen3MoeConfig, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.config = c
-        self.embed_tokens = nn.Parameter(
-            torch.empty(c.vocab_size, c.hidden_size, dtype=dtype, device="meta"), requires_grad=False)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype)
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device,
-                                    c.mrope_section, c.mrope_interleaved)
-        self.position_dims = 3 if c.mrope_section else 1
-
-    # ---- the engine-facing interface ------------------------------------------------------
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        c = self.config
-        return c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-
-    @property
-    def input_size(self) -> int:
-        return self.config.hidden_size
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) ids -> (T, hidden)."""
-        return F.embedding(input_ids, self.embed_tokens)
+        super().__init__(c, nn.ModuleList(Qwen3MoeDecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers)),
+                         dtype, device, c.mrope_interleaved)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, out_rows: torch.Tensor | None = None,
@@ -197,10 +171,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         if self.export_layer is None:
             return h
         return LMOutput(h, h if exported is None else exported)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(S, hidden) -> (S, vocab) float32."""
-        return self.lm_head(hidden).float()
 
     # ---- loading --------------------------------------------------------------------------
     _SHARDS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
@@ -258,13 +228,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         except AttributeError:
             raise KeyError(name) from None
 
-    def _local_name(self, name: str) -> str:
-        if name == f"{self.lm_head_name}.weight":
-            return "lm_head.weight"
-        if not name.startswith(self.weight_prefix):
-            raise KeyError(name)
-        return name[len(self.weight_prefix):]
-
     def expected_loads(self) -> set[str]:
         """Every shard of every TransposedLinear, every norm weight, the embedding."""
         out = {"embed_tokens"}
@@ -276,9 +239,3 @@ class Qwen3MoeForCausalLM(nn.Module):
             elif isinstance(m, RMSNorm):
                 out.add(f"{path}.weight")
         return out
-
-    @staticmethod
-    def _copy(param: torch.Tensor, w: torch.Tensor) -> None:
-        if param.shape != w.shape:
-            raise ValueError(f"shape {tuple(w.shape)} does not match the config's {tuple(param.shape)}")
-        param.copy_(w)

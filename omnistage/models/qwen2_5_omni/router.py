@@ -111,18 +111,10 @@ class OmniRouter:
 
     def _merged(self, flow: _Flow, enc: EncodedMedia) -> ARRequest:
         """Encoder rows go to the placeholder positions of their modality, in prompt order."""
-        ids = torch.tensor(flow.req.prompt_token_ids)
-        rows, positions = [], []
-        for token, embeds in ((self.c.audio_token_id, enc.audio), (self.c.image_token_id, enc.image),
-                              (self.c.video_token_id, enc.video)):
-            where = torch.nonzero(ids == token).squeeze(1)
-            got = sum(e.shape[0] for e in embeds)
-            if got != where.numel():
-                raise RuntimeError(f"encoder gave {got} rows for {where.numel()} placeholders "
-                                   f"of token {token}")
-            rows += embeds
-            positions += where.tolist()
-        return self._thinker_request(flow.req, torch.cat(rows), positions)
+        rows, positions, _ = place_media_rows(flow.req.prompt_token_ids, [
+            (self.c.audio_token_id, enc.audio), (self.c.image_token_id, enc.image),
+            (self.c.video_token_id, enc.video)])
+        return self._thinker_request(flow.req, rows, positions)
 
     def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
@@ -207,3 +199,22 @@ class OmniRouter:
             return []
         return [(CLIENT, Delta(flow.req.request_id, 0, "", [], finished=True,
                                finish_reason=flow.finish_reason))]
+
+
+def place_media_rows(prompt_ids: list[int], groups: list[tuple[int, list[torch.Tensor]]]
+                     ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """Encoder outputs onto their placeholders: for each (placeholder token, its items' rows in
+    prompt order), the rows go to that token's positions in order. -> (all rows (N, hidden),
+    their prompt positions, each group's positions (as a tensor)). A count that does not match
+    is an internal fault (the processor expanded the placeholders from the same media)."""
+    ids = torch.tensor(prompt_ids)
+    rows, positions, wheres = [], [], []
+    for token, embeds in groups:
+        where = torch.nonzero(ids == token).squeeze(1)
+        got = sum(e.shape[0] for e in embeds)
+        if got != where.numel():
+            raise RuntimeError(f"encoder gave {got} rows for {where.numel()} placeholders of token {token}")
+        rows += embeds
+        positions += where.tolist()
+        wheres.append(where)
+    return torch.cat(rows), positions, wheres

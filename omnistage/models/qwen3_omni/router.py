@@ -23,6 +23,7 @@ import torch
 
 from omnistage.graph import CLIENT, Edge
 from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodeJob
+from omnistage.models.qwen2_5_omni.router import place_media_rows
 from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, CodecFrames, EncodedMedia, TalkerStart,
                                                   TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
@@ -104,24 +105,16 @@ class Qwen3OmniRouter:
         """Encoder rows go to the placeholder positions of their modality, in prompt order; the
         images' and videos' DeepStack rows to their positions, in prompt order (the reference's
         joint order)."""
-        ids = torch.tensor(flow.req.prompt_token_ids)
-        rows, positions, visual = [], [], []
-        for token, embeds, stacks in zip(self.ids.media, (enc.audio, enc.image, enc.video),
-                                         (None, enc.image_deepstack, enc.video_deepstack)):
-            where = torch.nonzero(ids == token).squeeze(1)
-            got = sum(e.shape[0] for e in embeds)
-            if got != where.numel():
-                raise RuntimeError(f"encoder gave {got} rows for {where.numel()} placeholders of token {token}")
-            rows += embeds
-            positions += where.tolist()
-            if stacks:
-                visual.append((where, torch.cat(stacks, dim=1)))           # (V_m,), (K, V_m, H)
+        rows, positions, wheres = place_media_rows(flow.req.prompt_token_ids, list(zip(
+            self.ids.media, (enc.audio, enc.image, enc.video))))
+        visual = [(where, torch.cat(stacks, dim=1))                     # (V_m,), (K, V_m, H)
+                  for where, stacks in zip(wheres[1:], (enc.image_deepstack, enc.video_deepstack)) if stacks]
         deepstack = None
         if visual:
             at = torch.cat([w for w, _ in visual])
             order = torch.argsort(at)
             deepstack = (torch.cat([d for _, d in visual], dim=1)[:, order], at[order].tolist())
-        return self._thinker_request(flow.req, torch.cat(rows), positions, deepstack)
+        return self._thinker_request(flow.req, rows, positions, deepstack)
 
     # ---- thinker -> talker ------------------------------------------------------------------
     def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:

@@ -31,7 +31,7 @@ from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.messages import HIDDEN, CodecFrames, TalkerStart, TalkerText
 from omnistage.outputs import Delta
 from omnistage.stage_messages import StageOutput
-from omnistage.stages.base import Stage
+from omnistage.stages.ar import ARStage
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8     # transformers' code predictor sampling (temperature 1)
 
@@ -72,10 +72,12 @@ class _Speech:
     end_used: bool = False
 
 
-class TalkerStage(Stage):
+class TalkerStage(ARStage):
+    """An ARStage (has_work, num_requests, metrics: the engine's) with its own input and step."""
+
     def __init__(self, name: str, engine: LLMEngine, parts: TalkerParts):
-        self.name, self.engine, self.parts = name, engine, parts
-        self.dead: str | None = None
+        super().__init__(name, engine)
+        self.parts = parts
         self._speech: dict[str, _Speech] = {}
         with torch.inference_mode():
             rows = parts.text_projection(torch.stack([parts.text_end, parts.text_pad]))
@@ -185,22 +187,9 @@ class TalkerStage(Stage):
             return out
         return pick
 
-    # ---- the rest of the Stage protocol ---------------------------------------------------
     def abort(self, request_id: str) -> None:
         self._speech.pop(request_id, None)
-        self.engine.abort_request(request_id)
-
-    def has_work(self) -> bool:
-        return self.engine.has_ready_work()
-
-    def num_requests(self) -> int:
-        return len(self.engine.requests)
-
-    def close(self) -> None:
-        """Nothing outside this process to release."""
-
-    def metrics(self) -> list[tuple[str, str, str, float]]:
-        return self.engine.metrics(f'stage="{self.name}"')
+        super().abort(request_id)
 
 
 def _draw(logits: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
