@@ -164,37 +164,7 @@ def ensure_omni_model(family: str, size: str, seed: int = 0) -> Path:
 
     name = "Qwen3-Omni" if family == QWEN3 else "Qwen2.5-Omni"
     log(f"[model] the {size} {name} (built into the omnistage cache on first use)")
-    if family == QWEN3:
-        patched = _qwen3_consistent_build(size, seed)
-        if patched is not None:
-            return patched
     return tiny_checkpoint(family, size, seed)
-
-
-def _qwen3_consistent_build(size: str, seed: int) -> Path | None:
-    """Workaround while omnistage.tiny's Qwen3-Omni `size` gives its code predictor another
-    width than its talker's (small: 256 against 384): transformers and omnistage both feed the
-    talker's hidden state into the predictor unprojected (the real model: 1024 and 1024) and
-    fail on such a folder. Then: the build with the predictor at the talker's width, once, into
-    <omnistage cache>/bench/. None when the size is consistent (use the ordinary build)."""
-    from omnistage.paths import cache_dir
-    from omnistage.tiny import build_tiny
-    from omnistage.tiny.qwen3_omni import SIZES
-
-    shape = SIZES.get(size)
-    if shape is None or shape.predictor["hidden_size"] == shape.talker.hidden_size:
-        return None
-    width = shape.talker.hidden_size
-    out = cache_dir() / "bench" / f"{QWEN3}-{size}-seed{seed}-predictor{width}"
-    log(f"[model] WORKAROUND: the {size} Qwen3-Omni builder makes the code predictor "
-        f"{shape.predictor['hidden_size']} wide against a {width}-wide talker (neither side runs "
-        f"it); using the build with code_predictor_config.hidden_size = {width}: {out}")
-    if not (out / "config.json").is_file():
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        build_tiny(QWEN3, tmp, seed=seed, size=size,
-                   overrides={"talker_config": {"code_predictor_config": {"hidden_size": width}}})
-        tmp.rename(out)
-    return out
 
 
 def code_state() -> dict:
