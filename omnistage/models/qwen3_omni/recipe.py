@@ -117,6 +117,13 @@ def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torc
     predictor = CodePredictor(t["code_predictor_config"], dtype, dev)
     require_complete(predictor, load_prefixed(predictor, iter_weights(files), PREDICTOR_PREFIX),
                      "talker.code_predictor")
+    if config.linear_kernel in ("auto", "native"):
+        kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
+        if kernel is not None:
+            # The code predictor reads all its weights 15 times per frame (one token at a time):
+            # matrix-vector products at memory speed, where F.linear streams at half of it.
+            for module in (predictor, *projections):
+                use_native_linears(module, kernel)
     end, pad = embedding_rows(files, THINKER_EMBED, [cfg["tts_eos_token_id"], cfg["tts_pad_token_id"]])
     return TalkerParts(projections[0].eval(), projections[1].eval(), predictor.eval(),
                        end.to(dev, dtype), pad.to(dev, dtype), prompt_id=t["codec_pad_id"])
