@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.weights import load_prefixed, require_complete
 
 CHECKPOINT_PREFIX = "talker.code_predictor."
 
@@ -53,19 +54,39 @@ class _Attention(nn.Module):
         self.q_norm = _Norm(d, c["rms_norm_eps"], dtype, device)
         self.k_norm = _Norm(d, c["rms_norm_eps"], dtype, device)
 
+    def fuse(self) -> None:
+        """After loading: q|k|v as one product, and both head norms as one (their weights
+        stacked per head): fewer, larger calls, the same arithmetic per element."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        self.qkv = _stacked([q, k, v])
+        self.eps = self.q_norm.eps
+        self.register_buffer("qk_weight", torch.cat([self.q_norm.weight.expand(self.hq, -1),
+                                                     self.k_norm.weight.expand(self.hkv, -1)]), persistent=False)
+        del self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm
+
     def forward(self, x, cos_sin, kv: torch.Tensor, at: int) -> torch.Tensor:
         """x (B, n, H) at positions at..at+n-1; kv (2, B, Hkv, G, D) the frame's cache."""
         b, n, _ = x.shape
-        q = _rms(self.q_proj(x).view(b, n, self.hq, self.d), self.q_norm)
-        k = _rms(self.k_proj(x).view(b, n, self.hkv, self.d), self.k_norm)
-        v = self.v_proj(x).view(b, n, self.hkv, self.d)
-        q, k = RotaryEmbedding.apply(q, cos_sin), RotaryEmbedding.apply(k, cos_sin)
-        kv[0, :, :, at:at + n] = k.transpose(1, 2)
-        kv[1, :, :, at:at + n] = v.transpose(1, 2)
+        hq, hkv, d = self.hq, self.hkv, self.d
+        qkv = self.qkv(x)                                                 # (B, n, (Hq + 2 Hkv) D)
+        qk = F.rms_norm(qkv[..., :(hq + hkv) * d].view(b, n, hq + hkv, d), (d,), None, self.eps)
+        qk = RotaryEmbedding.apply(qk * self.qk_weight, cos_sin)          # (B, n, Hq + Hkv, D)
+        kv[0, :, :, at:at + n] = qk[:, :, hq:].transpose(1, 2)
+        kv[1, :, :, at:at + n] = qkv[..., (hq + hkv) * d:].view(b, n, hkv, d).transpose(1, 2)
         keys, values = kv[0, :, :, :at + n], kv[1, :, :, :at + n]          # (B, Hkv, L, D)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1,
-                                           enable_gqa=self.hq != self.hkv, scale=self.d ** -0.5)
-        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.hq * self.d))
+        o = F.scaled_dot_product_attention(qk[:, :, :hq].transpose(1, 2), keys, values, is_causal=n > 1,
+                                           enable_gqa=hq != hkv, scale=d ** -0.5)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, hq * d))
+
+
+def _stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the given ones' outputs side by side."""
+    w = torch.cat([m.weight for m in linears])
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linears[0].bias is not None, dtype=w.dtype, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if out.bias is not None:
+        out.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
+    return out
 
 
 class _Layer(nn.Module):
@@ -80,10 +101,15 @@ class _Layer(nn.Module):
         self.mlp.up_proj = nn.Linear(h, i, bias=False, dtype=dtype, device=device)
         self.mlp.down_proj = nn.Linear(i, h, bias=False, dtype=dtype, device=device)
 
+    def fuse(self) -> None:
+        self.self_attn.fuse()
+        self.mlp.gate_up = _stacked([self.mlp.gate_proj, self.mlp.up_proj])
+        del self.mlp.gate_proj, self.mlp.up_proj
+
     def forward(self, x, cos_sin, kv, at: int) -> torch.Tensor:
         x = x + self.self_attn(_rms(x, self.input_layernorm), cos_sin, kv, at)
-        y = _rms(x, self.post_attention_layernorm)
-        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(y)) * self.mlp.up_proj(y))
+        gate, up = self.mlp.gate_up(_rms(x, self.post_attention_layernorm)).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(F.silu(gate) * up)
 
 
 class CodePredictor(nn.Module):
@@ -108,6 +134,13 @@ class CodePredictor(nn.Module):
         self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),
                                     device)
         self.kv_shape = (c["num_key_value_heads"], c["head_dim"])
+
+    def load_weights(self, weights) -> None:
+        """Fill every tensor from `talker.code_predictor.*` (CheckpointError if one is missing or
+        misfits), then fuse each layer's products (see _Attention.fuse)."""
+        require_complete(self, load_prefixed(self, weights, CHECKPOINT_PREFIX), "talker.code_predictor")
+        for layer in self.model.layers:
+            layer.fuse()
 
     @torch.inference_mode()
     def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor,

@@ -27,7 +27,6 @@ from omnistage.models.qwen2_5_omni.processor import MediaLimits
 from omnistage.models.qwen3_omni.audio_encoder import Qwen3OmniAudioEncoder
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_stage import Code2WavSettings, Code2WavStage
-from omnistage.models.qwen3_omni.code_predictor import CHECKPOINT_PREFIX as PREDICTOR_PREFIX
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.encoders import Qwen3OmniEncoders
 from omnistage.models.qwen3_omni.loader import load_lm
@@ -115,8 +114,7 @@ def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torc
     for proj, name in zip(projections, ("text_projection", "hidden_projection")):
         require_complete(proj, load_prefixed(proj, iter_weights(files), f"talker.{name}."), f"talker.{name}")
     predictor = CodePredictor(t["code_predictor_config"], dtype, dev)
-    require_complete(predictor, load_prefixed(predictor, iter_weights(files), PREDICTOR_PREFIX),
-                     "talker.code_predictor")
+    predictor.load_weights(iter_weights(files))
     if config.linear_kernel in ("auto", "native"):
         kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
         if kernel is not None:
