@@ -102,7 +102,7 @@ SIZES: dict[str, Qwen3OmniSize] = {
                    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
         code2wav={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "num_key_value_heads": 2, "intermediate_size": 64, "decoder_dim": 64},
-        talker_defaults=Qwen3TalkerDefaults(max_new_tokens=40),
+        talker_defaults=Qwen3TalkerDefaults(max_new_tokens=40, min_new_tokens=16),
     ),
     "small": Qwen3OmniSize(
         text=MoeShape(32000, 512, 8, 8, 2, 64, 512, 8, 2, (8, 12, 12)),

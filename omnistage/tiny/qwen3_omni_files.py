@@ -91,6 +91,9 @@ class Qwen3TalkerDefaults:
     length), written to generation_config.json as `talker_*`."""
 
     max_new_tokens: int
+    # A random talker samples end-of-speech at any step (1 in ~50 at these settings): a floor
+    # keeps a tiny model's speech from ending at its first frames (0: none)
+    min_new_tokens: int = 0
     do_sample: bool = True
     top_k: int = 50
     top_p: float = 1.0

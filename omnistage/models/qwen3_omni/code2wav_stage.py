@@ -9,9 +9,10 @@ grow: `first_chunk` frames, then doubling up to `max_chunk`, so a request's firs
 only its first few frames while later chunks pay the left context's recomputation over more
 output. When the talker has finished, the frames left over go out as one last chunk.
 
-A step decodes the next chunk of every request that has enough frames for it, requests
-waiting for their first audio first (their windows are short and go in one forward; windows
-of equal length share a forward).
+A step decodes the next chunk of the requests that have enough frames for it, requests
+waiting for their first audio first, then the oldest, within `frame_budget` window frames
+(windows of equal length share a forward): under load a step stays short, so the thinker and
+the talker keep their pace and a newcomer's first chunk never waits behind long windows.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ from omnistage.stages.base import Stage
 
 @dataclass(frozen=True)
 class Code2WavSettings:
-    first_chunk: int = 4         # frames of a request's first chunk (0.32 s of speech at 12.5 Hz)
-    max_chunk: int = 32          # chunk sizes double from first_chunk up to this
+    first_chunk: int = 2         # frames of a request's first chunk (0.16 s of speech at 12.5 Hz)
+    max_chunk: int = 64          # chunk sizes double from first_chunk up to this
     left_context: int = 25       # frames of context before each chunk (transformers' default)
+    # Window frames (context included) decoded per step, first chunks first (at least one
+    # chunk): a step stays short, so the thinker and talker keep their pace under load.
+    frame_budget: int = 192
     # True: the chunks join without gaps into the whole decode's waveform (what transformers'
     # generate returns for answers up to its 300-frame chunk); False: each chunk as
     # transformers' chunked_decode emits it (23 ms of the timeline dropped at every boundary).
@@ -85,15 +89,30 @@ class Code2WavStage(Stage):
         return None
 
     def _ready(self) -> list[tuple[str, int | None]]:
-        """(request, chunk end) for every stream with work: a chunk, or an end to report;
-        first chunks first."""
-        ready = [(rid, self._next_end(s)) for rid, s in self._streams.items()]
-        ready = [(rid, end) for rid, end in ready
-                 if end is not None or (self._streams[rid].finished and self._streams[rid].done == self._streams[rid].total)]
-        return sorted(ready, key=lambda r: self._streams[r[0]].chunks > 0)
+        """(request, chunk end, or None: only its end to report) for every stream with work,
+        first chunks first, then oldest stream first."""
+        out = []
+        for rid, s in self._streams.items():
+            end = self._next_end(s)
+            if end is not None or (s.finished and s.done == s.total):
+                out.append((rid, end))
+        return sorted(out, key=lambda r: self._streams[r[0]].chunks > 0)
+
+    def _pick(self) -> list[tuple[str, int | None]]:
+        """This step's share of the ready work: within `frame_budget` window frames."""
+        picked, spent = [], 0
+        for rid, end in self._ready():
+            if end is not None:
+                s = self._streams[rid]
+                cost = end - s.done + min(self.settings.left_context, s.done)
+                if picked and spent + cost > self.settings.frame_budget:
+                    continue
+                spent += cost
+            picked.append((rid, end))
+        return picked
 
     def step(self) -> list[StageOutput]:
-        ready = self._ready()
+        ready = self._pick()
         chunks = [(rid, end) for rid, end in ready if end is not None]
         windows = [Code2WavWindow(self._streams[rid].codes(), self._streams[rid].done, end,
                                   self.settings.left_context, self.settings.seamless) for rid, end in chunks]
