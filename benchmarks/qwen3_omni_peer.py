@@ -92,11 +92,11 @@ def _generator(model, tok, settings: dict, speaker: str):
 
 
 def run_job(job):
-    """omni_peers.HFJob -> omni_peers.HFResult (codes: per request, its (16, F) frames)."""
+    """omni_jobs.HFJob -> omni_jobs.HFResult (codes: per request, its (16, F) frames)."""
     import torch
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-    from benchmarks.omni_peers import HFResult
+    from benchmarks.omni_jobs import HFResult
 
     if job.threads:
         torch.set_num_threads(job.threads)
