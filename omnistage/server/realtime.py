@@ -34,9 +34,9 @@ from omnistage.media.encode import encode_audio
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
-from omnistage.server.realtime_events import (PCM_RATE, Item, Part, SessionConfig,
-                                              UnknownParameterError, appended_pcm, audio_part,
-                                              check_event_size, check_room, default_config,
+from omnistage.server.realtime_events import (PCM_RATE, Item, Part, RealtimeError, SessionConfig,
+                                              appended_pcm, audio_part, check_event_size,
+                                              check_metadata, check_room, default_config,
                                               error_json, insert_position, model_abilities,
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
@@ -54,6 +54,7 @@ class _Closed(Exception):
 class _Response:
     id: str
     cfg: SessionConfig                    # the session's config with this response's overrides
+    metadata: dict | None = None          # response.create's, echoed in response.created / done
     task: asyncio.Task | None = None
     cancel_reason: str | None = None      # "client_cancelled" | "turn_detected" | "disconnect"
     item: Item | None = None              # the assistant item, once output began
@@ -169,7 +170,7 @@ class RealtimeSession:
                     f"{', '.join(self._handlers)}", param="type")
             await handler(event)
         except InvalidRequestError as e:
-            code = "unknown_parameter" if isinstance(e, UnknownParameterError) else "invalid_value"
+            code = e.code if isinstance(e, RealtimeError) else "invalid_value"
             await self.send(error_json(str(e), e.param, code, event_id))
 
     # ---- session and input audio ------------------------------------------------------------
@@ -199,8 +200,8 @@ class RealtimeSession:
 
     async def _commit(self, event: dict) -> None:
         if not self.buffer:
-            raise InvalidRequestError("the input audio buffer is empty; append audio before "
-                                      "committing", param="audio")
+            raise RealtimeError("the input audio buffer is empty; append audio before committing",
+                                "audio", "input_audio_buffer_commit_empty")
         self.turn_item = None
         await self._commit_audio(self.buffer.take(), new_id("item"))
 
@@ -253,13 +254,16 @@ class RealtimeSession:
     # ---- responses --------------------------------------------------------------------------
     async def _response_create(self, event: dict) -> None:
         if self.active is not None:
-            raise InvalidRequestError(
-                f"response {self.active.id} is still in progress; wait for its response.done "
-                "or send response.cancel first", param="response")
-        await self._start_response(response_config(self.cfg, event.get("response"), self.model),
-                                   event.get("event_id"))
+            raise RealtimeError(f"response {self.active.id} is still in progress; wait for its "
+                                "response.done or send response.cancel first", "response",
+                                "conversation_already_has_active_response")
+        body = event.get("response")
+        metadata = check_metadata(body.get("metadata"), "response.metadata") if isinstance(body, dict) else None
+        await self._start_response(response_config(self.cfg, body, self.model), event.get("event_id"),
+                                   metadata)
 
-    async def _start_response(self, cfg: SessionConfig, event_id: str | None = None) -> None:
+    async def _start_response(self, cfg: SessionConfig, event_id: str | None = None,
+                              metadata: dict | None = None) -> None:
         if not self.conv.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
@@ -270,7 +274,7 @@ class RealtimeSession:
             await self.send(error_json(admission.refusal_message(), code="rate_limit_exceeded",
                                        kind="rate_limit_error", event_id=event_id))
             return
-        r = _Response(new_id("resp"), cfg)
+        r = _Response(new_id("resp"), cfg, metadata=metadata)
         self.active = r
         r.task = asyncio.create_task(self._respond(r, self.conv.messages(cfg.instructions)))
         r.task.add_done_callback(lambda _task: ticket.release())
@@ -279,8 +283,8 @@ class RealtimeSession:
         r = self.active
         wanted = event.get("response_id")
         if r is None or (wanted is not None and wanted != r.id):
-            raise InvalidRequestError("there is no such response in progress to cancel",
-                                      param="response_id")
+            raise RealtimeError("there is no such response in progress to cancel", "response_id",
+                                "response_cancel_not_active")
         await self._stop_active("client_cancelled")
 
     async def _stop_active(self, reason: str) -> None:
@@ -312,7 +316,7 @@ class RealtimeSession:
         status, details = "completed", None
         try:
             await self.send({"type": "response.created",
-                             "response": response_json(r.id, "in_progress", r.cfg, [])})
+                             "response": response_json(r.id, "in_progress", r.cfg, [], metadata=r.metadata)})
             deltas = self.engine.generate(messages, params, request_id=f"realtime-{r.id}",
                                           output=opts)
             try:
@@ -400,7 +404,8 @@ class RealtimeSession:
         if self.active is r:      # a response.create that answers response.done is welcome
             self.active = None
         await self.send({"type": "response.done", "response": response_json(
-            r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens))})
+            r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens),
+            r.metadata)})
 
     @staticmethod
     def _where(r: _Response) -> dict:

@@ -47,6 +47,10 @@ WS_MAX_MESSAGE_BYTES = 32 * 2**20
 SESSION_KEYS = ("type", "model", "instructions", "output_modalities", "max_output_tokens",
                 "audio", "tools", "tool_choice", "parallel_tool_calls", "tracing", "truncation",
                 "include", "prompt", "reasoning", "temperature")
+# The GA response.create `response` object's keys (realtime_response_create_params_param.py)
+RESPONSE_KEYS = ("audio", "conversation", "input", "instructions", "max_output_tokens", "metadata",
+                 "output_modalities", "parallel_tool_calls", "prompt", "reasoning", "tool_choice",
+                 "tools")
 # beta-layout session keys, and where the GA API puts them
 BETA_SESSION_KEYS = {"modalities": "session.output_modalities",
                      "voice": "session.audio.output.voice",
@@ -74,11 +78,48 @@ UNSERVED_SESSION_FIELDS = {
 }
 
 
-class UnknownParameterError(InvalidRequestError):
+# response.create's fields not served here, as UNSERVED_SESSION_FIELDS
+UNSERVED_RESPONSE_FIELDS = {key: UNSERVED_SESSION_FIELDS[key]
+                            for key in ("tools", "tool_choice", "parallel_tool_calls", "prompt", "reasoning")}
+
+
+class RealtimeError(InvalidRequestError):
+    """A client mistake with OpenAI's error code for it (clients branch on these codes, e.g.
+    a barge-in's response.cancel answered `response_cancel_not_active` is not fatal)."""
+
+    def __init__(self, message: str, param: str | None, code: str):
+        super().__init__(message, param=param)
+        self.code = code
+
+
+class UnknownParameterError(RealtimeError):
     """A key the GA session object does not have (OpenAI's error code: unknown_parameter)."""
 
     def __init__(self, param: str, hint: str = ""):
-        super().__init__(f"Unknown parameter: '{param}'.{hint}", param=param)
+        super().__init__(f"Unknown parameter: '{param}'.{hint}", param, "unknown_parameter")
+
+
+# Keys whose null means "off" (kept); any other null in session.update / response.create means
+# "not given" (clients such as LiveKit Agents send every optional field, null when unset).
+NULL_MEANS_OFF = frozenset({"turn_detection", "transcription", "noise_reduction"})
+
+
+def given(obj: dict) -> dict:
+    """`obj` without the keys whose value is null, but those where null means "off"."""
+    return {k: v for k, v in obj.items() if v is not None or k in NULL_MEANS_OFF}
+
+
+def check_metadata(metadata, param: str) -> dict | None:
+    """OpenAI's metadata: at most 16 string keys (64 chars) to string values (512 chars)."""
+    if metadata is None:
+        return None
+    ok = (isinstance(metadata, dict) and len(metadata) <= 16
+          and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                  for k, v in metadata.items()))
+    if not ok:
+        raise InvalidRequestError(f"{param} must map at most 16 keys (up to 64 characters) to "
+                                  "strings (up to 512 characters)", param=param)
+    return dict(metadata)
 
 
 def new_id(prefix: str) -> str:
@@ -140,6 +181,7 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities,
     if not isinstance(session, dict):
         raise InvalidRequestError("session must be an object", param="session")
     check_keys(session, SESSION_KEYS, "session", BETA_SESSION_KEYS)
+    session = given(session)
     if session.get("type", "realtime") != "realtime":
         raise InvalidRequestError("only 'realtime' sessions are served; set session.type to "
                                   "'realtime' (transcription sessions are not supported)",
@@ -167,8 +209,8 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities,
 def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities) -> None:
     """session.audio (input and output) applied over `out`."""
     check_keys(audio, ("input", "output"), "session.audio")
-    inp = _object(audio.get("input"), "session.audio.input")
-    output = _object(audio.get("output"), "session.audio.output")
+    inp = given(_object(audio.get("input"), "session.audio.input"))
+    output = given(_object(audio.get("output"), "session.audio.output"))
     check_keys(inp, ("format", "noise_reduction", "transcription", "turn_detection"),
                "session.audio.input")
     check_keys(output, ("format", "speed", "voice"), "session.audio.output")
@@ -197,13 +239,17 @@ def _check_unserved(session: dict, served_model: str) -> None:
     if "model" in session and session["model"] != served_model:
         raise InvalidRequestError(f"this server serves {served_model!r}; set session.model to "
                                   "that or drop it", param="session.model")
-    for key, (accepted, why) in UNSERVED_SESSION_FIELDS.items():
-        if key in session and not any(session[key] == a and type(session[key]) is type(a)
-                                      for a in accepted):
+    refuse_unserved(session, UNSERVED_SESSION_FIELDS, "session")
+
+
+def refuse_unserved(obj: dict, table: dict, prefix: str) -> None:
+    """Fields of `obj` (at `prefix`) in `table` (field -> (neutral values, why not served)) that
+    hold anything but a neutral value are refused, naming the field."""
+    for key, (accepted, why) in table.items():
+        if key in obj and not any(obj[key] == a and type(obj[key]) is type(a) for a in accepted):
             shown = " or ".join(json.dumps(a) for a in accepted if a is not None)
-            raise InvalidRequestError(f"{why}; drop session.{key}"
-                                      + (f" or set it to {shown}" if shown else ""),
-                                      param=f"session.{key}")
+            raise InvalidRequestError(f"{why}; drop {prefix}.{key}" + (f" or set it to {shown}" if shown else ""),
+                                      param=f"{prefix}.{key}")
 
 
 def check_keys(obj: dict, allowed, param: str, moved: dict[str, str] | None = None) -> None:
@@ -227,6 +273,9 @@ def response_config(session: SessionConfig, body, model: ModelAbilities) -> Sess
         return session
     if not isinstance(body, dict):
         raise InvalidRequestError("response must be an object", param="response")
+    check_keys(body, RESPONSE_KEYS, "response")
+    body = given(body)
+    refuse_unserved(body, UNSERVED_RESPONSE_FIELDS, "response")
     if body.get("input") is not None or body.get("conversation", "auto") != "auto":
         raise InvalidRequestError("out-of-band responses (response.input, "
                                   "response.conversation) are not supported; drop them",
@@ -435,11 +484,12 @@ def appended_pcm(event: dict, model: ModelAbilities) -> bytes:
 # ---- server events ----------------------------------------------------------------------------
 
 def response_json(response_id: str, status: str, cfg: SessionConfig, output: list[Item],
-                  details: dict | None = None, usage: dict | None = None) -> dict:
+                  details: dict | None = None, usage: dict | None = None,
+                  metadata: dict | None = None) -> dict:
     return {"id": response_id, "object": "realtime.response", "status": status,
             "status_details": details, "output": [i.to_json() for i in output],
             "conversation_id": None, "output_modalities": list(cfg.output_modalities),
-            "max_output_tokens": _tokens_json(cfg.max_output_tokens), "metadata": None,
+            "max_output_tokens": _tokens_json(cfg.max_output_tokens), "metadata": metadata,
             "audio": {"output": {"format": PCM_FORMAT, "voice": cfg.voice}}, "usage": usage}
 
 

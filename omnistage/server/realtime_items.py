@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import resample
 from omnistage.media.encode import encode_audio
-from omnistage.server.realtime_events import MODEL_RATE, PCM_RATE, Item, ModelAbilities, check_room
+from omnistage.server.realtime_events import (MODEL_RATE, PCM_RATE, Item, ModelAbilities, RealtimeError,
+                                              check_room)
 
 
 @dataclass
@@ -65,13 +66,13 @@ class Conversation:
                 "content_index": event["content_index"], "audio_end_ms": event["audio_end_ms"]}
 
     def delete(self, item_id) -> None:
-        at = self._find(item_id)
+        at = self._find(item_id, "delete")
         _check_settled(self.items[at], "deleted")
         del self.items[at]
 
     def truncate(self, item_id, content_index, audio_end_ms) -> None:
         """Cuts an assistant item's audio part at `audio_end_ms` and deletes its transcript."""
-        item = self.items[self._find(item_id)]
+        item = self.items[self._find(item_id, "truncate")]
         if item.role != "assistant":
             raise InvalidRequestError(f"item {item_id!r} is a {item.role} message; only "
                                       "assistant messages can be truncated", param="item_id")
@@ -103,7 +104,7 @@ class Conversation:
 
     def retrieve(self, item_id) -> Item:
         """A copy of the item that later deltas do not change (read it off the event loop)."""
-        item = self.items[self._find(item_id)]
+        item = self.items[self._find(item_id, "retrieve")]
         parts = [replace(p, pcm=None if p.pcm is None else bytearray(p.pcm)) for p in item.parts]
         return replace(item, parts=parts)
 
@@ -129,14 +130,12 @@ class Conversation:
     def _position(self, item_id: str) -> int | None:
         return next((k for k, i in enumerate(self.items) if i.id == item_id), None)
 
-    def _find(self, item_id) -> int:
-        if not isinstance(item_id, str):
-            raise InvalidRequestError("item_id must be the id of a conversation item",
-                                      param="item_id")
-        at = self._position(item_id)
+    def _find(self, item_id, action: str) -> int:
+        """The item's index; a missing one is OpenAI's item_{action}_invalid_item_id error."""
+        at = self._position(item_id) if isinstance(item_id, str) else None
         if at is None:
-            raise InvalidRequestError(f"item_id {item_id!r} is not in the conversation",
-                                      param="item_id")
+            raise RealtimeError(f"item_id {item_id!r} is not in the conversation (send the id of "
+                                "a conversation item)", "item_id", f"item_{action}_invalid_item_id")
         return at
 
 

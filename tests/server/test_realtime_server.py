@@ -491,3 +491,49 @@ def test_the_reported_session_is_a_valid_update():
         cfg.turn_detection = td
         shown = {k: v for k, v in cfg.to_json("sess_1", "tiny").items() if k not in ("id", "object")}
         assert update_config(cfg, shown, model, "tiny") == cfg
+
+
+def test_openai_error_codes_nulls_and_metadata(client):
+    """What voice-agent frameworks rely on: OpenAI's error codes (a barge-in's response.cancel
+    with nothing running is `response_cancel_not_active`, not a fatal invalid_value), null for
+    every optional field (LiveKit sends `instructions: null`), and response.metadata echoed in
+    response.created and response.done (LiveKit settles replies by its client_event_id)."""
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        checks = [({"type": "response.cancel"}, "response_cancel_not_active"),
+                  ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty"),
+                  ({"type": "conversation.item.retrieve", "item_id": "nope"}, "item_retrieve_invalid_item_id"),
+                  ({"type": "conversation.item.delete", "item_id": "nope"}, "item_delete_invalid_item_id"),
+                  ({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0,
+                    "audio_end_ms": 0}, "item_truncate_invalid_item_id"),
+                  ({"type": "response.create", "response": {"frobnicate": 1}}, "unknown_parameter"),
+                  ({"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}]}},
+                   "invalid_value")]
+        for event, code in checks:
+            conn.send(event)
+            err = _until(conn, "error")[-1].error
+            assert err.code == code, (event, err)
+        conn.session.update(session={"type": "realtime", "instructions": None, "max_output_tokens": None,
+                                     "tools": None, "tool_choice": None, "tracing": None,
+                                     "audio": {"output": {"voice": None, "speed": None}}})
+        assert _until(conn, "session.updated")[-1].session.instructions == ""
+        conn.conversation.item.create(item={"type": "message", "role": "user",
+                                            "content": [{"type": "input_text", "text": "Hello!"}]})
+        meta = {"client_event_id": "evt-42"}
+        # Two creates back to back: the session reads the second before the first (an answer
+        # of up to the whole context) can have ended, so it is refused; then the first is
+        # cancelled (or, if it already ended at an end-of-turn token, done).
+        conn.send({"type": "response.create", "response": {
+            "instructions": None, "output_modalities": None, "tool_choice": None, "tools": None,
+            "max_output_tokens": "inf", "metadata": meta}})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 2}})
+        events = _until(conn, "error")
+        if not any(e.type == "response.created" for e in events):    # the error may come first
+            events += _until(conn, "response.created")
+        created = [e for e in events if e.type == "response.created"]
+        errors = [e for e in events if e.type == "error"]
+        assert len(created) == 1 and created[0].response.metadata == meta
+        assert [e.error.code for e in errors] == ["conversation_already_has_active_response"]
+        conn.send({"type": "response.cancel"})
+        done = [e for e in _until(conn, "response.done") if e.type == "response.done"][-1].response
+        assert done.metadata == meta and done.status in ("cancelled", "completed")
