@@ -24,6 +24,7 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.server.access_log import AccessRecord
 from omnistage.server.errors import error_event
 from omnistage.server.streams import chain
+from omnistage.server.voices import resolve_voice
 
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
 TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."
@@ -85,7 +86,8 @@ async def _speech(engine, stats, body: SpeechBody, rid: str, record: AccessRecor
     deltas = engine.generate([{"role": "user", "content": text}],
                              SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced),
                              request_id=rid,
-                             output=OutputOptions(modalities=["text", "audio"], voice=body.voice))
+                             output=OutputOptions(modalities=["text", "audio"],
+                                                  voice=resolve_voice(body.voice, can.speakers)))
     first = await anext(deltas)     # request errors surface before any byte is sent
     record.audio_seconds = 0.0
 

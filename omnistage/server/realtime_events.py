@@ -28,6 +28,7 @@ import numpy as np
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_base64, decode_pcm16
 from omnistage.server.vad import TurnDetection, parse_turn_detection
+from omnistage.server.voices import resolve_voice
 
 PCM_RATE = 24000              # Hz of every audio/pcm the API carries, in and out
 MODEL_RATE = 16000            # Hz the model's audio encoder reads
@@ -316,6 +317,7 @@ def check_voice(voice, model: ModelAbilities, param: str) -> str:
         voice = voice.get("id")
     if not model.speakers:
         raise InvalidRequestError("this model does not speak; drop the voice", param=param)
+    voice = resolve_voice(voice, model.speakers)
     if voice not in model.speakers:
         raise InvalidRequestError(f"unknown voice {voice!r}; choose one of {model.speakers}",
                                   param=param)

@@ -16,6 +16,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.media.encode import encode_audio
 from omnistage.media.fetch import MediaFetchPolicy, fetch_media
 from omnistage.outputs import Delta
+from omnistage.server.voices import resolve_voice
 
 AUDIO_TTL_S = 3600      # message.audio.expires_at: how long the id stays meaningful
 
@@ -48,7 +49,8 @@ def output_options(engine, body) -> SpeechRequest:
         talker = body.talker.merged(can.talker_defaults)
     # (omni models check the modalities; a text model makes text whatever the list says)
     opts = OutputOptions(modalities=list(mods) if can.audio_input else ["text"],
-                         voice=body.audio.voice if body.audio is not None else None,
+                         voice=resolve_voice(body.audio.voice if body.audio is not None else None,
+                                             can.speakers),
                          talker_params=talker, use_audio_in_video=body.use_audio_in_video)
     return SpeechRequest(opts, speaks, fmt)
 

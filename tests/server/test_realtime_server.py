@@ -218,7 +218,7 @@ def test_bad_events_are_error_events_and_the_session_continues(client):
         assert err.param == "session.audio.input.turn_detection.threshold"
         conn.input_audio_buffer.commit()
         assert "empty" in _until(conn, "error")[-1].error.message
-        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}})
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "nobody"}}})
         assert "Chelsie" in _until(conn, "error")[-1].error.message
         conn.input_audio_buffer.append(audio=base64.b64encode(_pcm16_tone(0.001)).decode())
         conn.input_audio_buffer.commit()
@@ -231,7 +231,7 @@ def test_bad_events_are_error_events_and_the_session_continues(client):
         conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
         session = _until(conn, "session.updated")[-1].session
         assert session.audio.input.turn_detection is None and session.instructions == "Be brief."
-        assert session.audio.output.voice != "alloy"
+        assert session.audio.output.voice != "nobody"
 
 
 def test_audio_buffer_is_bounded(client):
@@ -537,3 +537,25 @@ def test_openai_error_codes_nulls_and_metadata(client):
         conn.send({"type": "response.cancel"})
         done = [e for e in _until(conn, "response.done") if e.type == "response.done"][-1].response
         assert done.metadata == meta and done.status in ("cancelled", "completed")
+
+
+def test_openai_voice_names_map_to_the_model_speakers(client):
+    """LiveKit's default voice "marin" (and OpenAI's other names) reach a speaker of the model."""
+    with client.realtime.connect(model="tiny") as conn:
+        assert conn.recv().type == "session.created"
+        for voice, speaker in (("marin", "Chelsie"), ("ash", "Ethan"), ("alloy", "Chelsie"), ("ETHAN", "Ethan")):
+            conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": voice}}})
+            assert _until(conn, "session.updated")[-1].session.audio.output.voice == speaker
+    audio = client.audio.speech.create(model="tiny", voice="alloy", input="Hi.", response_format="pcm").read()
+    assert len(audio) > 0
+
+
+def test_resolve_voice_table():
+    from omnistage.server.voices import resolve_voice
+
+    qwen3 = ("ethan", "aiden", "chelsie")                            # as the Qwen3-Omni pipeline lists them
+    assert resolve_voice("shimmer", qwen3) == "chelsie" and resolve_voice("cedar", qwen3) == "ethan"
+    assert resolve_voice("fable", qwen3) == "ethan"                  # neutral: the default speaker
+    assert resolve_voice("AIDEN", qwen3) == "aiden"                  # the model's own, any case
+    assert resolve_voice("nobody", qwen3) == "nobody"                # left for the engine to refuse
+    assert resolve_voice("marin", ("Zed",)) == "Zed" and resolve_voice(None, qwen3) is None

@@ -61,7 +61,8 @@ class Qwen3OmniPipeline(GraphPipeline):
         audio_output = speaks(model_dir, self.settings)
         self.tokenizer = load_thinker_tokenizer(config)
         self.voices = speakers(cfg) if audio_output else {}
-        self.speakers = sorted(self.voices)
+        # transformers' default voice first (the default here too), then the others by name
+        self.speakers = sorted(self.voices, key=lambda name: (name != "ethan", name))
         self.im_start, self.assistant = cfg["im_start_token_id"], cfg["assistant_token_id"]
         th = cfg["thinker_config"]
         self.rope = RopeIds(th["vision_start_token_id"], th["image_token_id"], th["video_token_id"],
