@@ -115,20 +115,47 @@ def resample(samples: np.ndarray, input_rate: int, output_rate: int) -> np.ndarr
     The output is time-aligned with the input (no filter delay) and has about
     N * output_rate / input_rate samples.
     """
-    _check_rate(input_rate)
-    _check_rate(output_rate)
     samples = np.ascontiguousarray(samples, dtype=np.float32)
     if input_rate == output_rate or len(samples) == 0:
+        _check_rate(input_rate)
+        _check_rate(output_rate)
         return samples
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=output_rate)
-    out: list[np.ndarray] = []
-    for start in range(0, len(samples), _RESAMPLE_BLOCK):
-        frame = av.AudioFrame.from_ndarray(samples[None, start:start + _RESAMPLE_BLOCK],
-                                           format="flt", layout="mono")
-        frame.sample_rate = input_rate
-        out.extend(f.to_ndarray()[0] for f in resampler.resample(frame))
-    out.extend(f.to_ndarray()[0] for f in resampler.resample(None))     # drain the filter tail
-    return np.concatenate(out) if out else np.zeros(0, np.float32)
+    stream = StreamResampler(input_rate, output_rate)
+    out = [stream.feed(samples[s:s + _RESAMPLE_BLOCK])
+           for s in range(0, len(samples), _RESAMPLE_BLOCK)]
+    out.append(stream.drain())
+    return np.concatenate(out)
+
+
+class StreamResampler:
+    """`resample` for a signal that arrives in pieces: the outputs of `feed`s (and a final
+    `drain`) joined are exactly `resample` of the joined inputs, whatever the pieces. Output
+    sample i is at input time i * input_rate / output_rate; `feed` answers what the filter can
+    compute so far (it trails the input by a few samples: its half-length)."""
+
+    def __init__(self, input_rate: int, output_rate: int):
+        _check_rate(input_rate)
+        _check_rate(output_rate)
+        self.input_rate = input_rate
+        self._av = av.AudioResampler(format="flt", layout="mono", rate=output_rate)
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        """Mono float32 (N,) in; the output samples it completed (M,) out."""
+        if len(samples) == 0:
+            return np.zeros(0, np.float32)
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(samples, dtype=np.float32)[None], format="flt", layout="mono")
+        frame.sample_rate = self.input_rate
+        return self._join(self._av.resample(frame))
+
+    def drain(self) -> np.ndarray:
+        """The filter's tail: the output samples still owed at the end of the signal."""
+        return self._join(self._av.resample(None))
+
+    @staticmethod
+    def _join(frames) -> np.ndarray:
+        out = [f.to_ndarray()[0] for f in frames]
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
 
 
 # ---------------------------------------------------------------------------------------------

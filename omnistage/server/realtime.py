@@ -4,10 +4,14 @@ One `RealtimeSession` per connection keeps the conversation (realtime_items) and
 audio buffer. Each response.create runs the whole conversation as a chat through
 `engine.generate` in its own task, streaming text and speech as events; one response at a time.
 response.cancel, and a disconnect, leave that stream, which aborts the request in every stage.
-Turn detection is off by default (see realtime_events): the client commits the buffer and asks
-for responses. With `server_vad` (server/vad.py) each turn is speech_started (cancelling a
-running response: interrupt_response), speech_stopped, the turn committed as a user item, and a
-response (create_response).
+Turn detection is on by default, as OpenAI's (server_vad; server/turn_detection.py): the
+Silero detector (server/vad.py) cuts appended audio into turns, and each turn is
+speech_started, speech_stopped, the turn committed as a user item, and a response
+(create_response). Speech that starts while a response runs is a barge-in
+(interrupt_response): the response is cancelled (aborted in every stage) and its assistant
+item truncated to the audio the user can have heard (sent since its first audio delta, by the
+clock; the client's own conversation.item.truncate may cut further). `idle_timeout_ms`
+answers a silent user. With turn detection off (null) the client commits and asks itself.
 
 Client mistakes become `error` events (type invalid_request_error, with the offending event's
 id) and the session carries on: an unknown session.update key (code unknown_parameter), or an
@@ -41,7 +45,7 @@ from omnistage.server.realtime_events import (PCM_RATE, Item, Part, RealtimeErro
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
-from omnistage.server.vad import InputAudioBuffer, VadEvent
+from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,9 @@ class _Response:
     task: asyncio.Task | None = None
     cancel_reason: str | None = None      # "client_cancelled" | "turn_detected" | "disconnect"
     item: Item | None = None              # the assistant item, once output began
+    first_audio_at: float | None = None   # loop time of the first audio delta
+    audio_seconds: float = 0.0            # audio sent so far
+    by_idle: bool = False                 # made by idle_timeout_ms (which it does not re-arm)
     prompt_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None
@@ -66,6 +73,8 @@ class _Response:
 
 def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
                        max_queued_requests: int) -> None:
+    silero = SileroLoader()         # one speech detector model for the server's sessions
+
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
         refusal = _refusal(app, ws, engine, model_name, api_key)
@@ -77,7 +86,7 @@ def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | Non
                 await ws.close(code=1008, reason=message[:120])
             return
         await ws.accept()
-        await RealtimeSession(ws, engine, model_name, max_queued_requests).run()
+        await RealtimeSession(ws, engine, model_name, max_queued_requests, silero).run()
 
 
 def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
@@ -100,15 +109,19 @@ def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
 
 
 class RealtimeSession:
-    def __init__(self, ws: WebSocket, engine, model_name: str, max_queued_requests: int):
+    def __init__(self, ws: WebSocket, engine, model_name: str, max_queued_requests: int,
+                 silero: SileroLoader):
         self.ws, self.engine, self.model_name = ws, engine, model_name
         self.max_queued = max_queued_requests
         self.model = model_abilities(engine)
         self.cfg = default_config(self.model)
         self.id = new_id("sess")
         self.conv = Conversation(self.model)
-        self.buffer = InputAudioBuffer(PCM_RATE)  # with a detector while server_vad is on
+        self.buffer = InputAudioBuffer(PCM_RATE, silero)  # with a detector while turns are detected
+        self._buffer_lock = asyncio.Lock()  # appends run the detector in a worker thread
         self.turn_item: str | None = None  # the item id speech_started announced
+        self._idle: asyncio.TimerHandle | None = None   # idle_timeout_ms's timer, while armed
+        self._tasks: set[asyncio.Task] = set()            # the timer's work in progress
         self.active: _Response | None = None
         self._send_lock = asyncio.Lock()  # response tasks and the reader both send
         self._handlers = {
@@ -122,11 +135,13 @@ class RealtimeSession:
             "conversation.item.retrieve": self._item_event,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
+            "output_audio_buffer.clear": self._output_clear,
         }
 
     # ---- the connection ---------------------------------------------------------------------
     async def run(self) -> None:
         try:
+            await self._set_detector()
             await self.send({"type": "session.created",
                              "session": self.cfg.to_json(self.id, self.model_name)})
             while True:
@@ -137,6 +152,9 @@ class RealtimeSession:
         except _Closed:
             pass
         finally:
+            self._disarm_idle()
+            for task in list(self._tasks):
+                task.cancel()
             await self._stop_active("disconnect")
 
     async def send(self, event: dict) -> None:
@@ -176,11 +194,18 @@ class RealtimeSession:
     # ---- session and input audio ------------------------------------------------------------
     async def _session_update(self, event: dict) -> None:
         self.cfg = update_config(self.cfg, event.get("session"), self.model, self.model_name)
-        td = self.cfg.turn_detection
-        if self.buffer.set_detector(None if td is None else td.vad):
-            self.turn_item = None
+        await self._set_detector()
         await self.send({"type": "session.updated",
                          "session": self.cfg.to_json(self.id, self.model_name)})
+
+    async def _set_detector(self) -> None:
+        """The detector the session's turn detection asks for (loading the model once)."""
+        td = self.cfg.turn_detection
+        if td is None or td.idle_timeout_ms is None:
+            self._disarm_idle()
+        async with self._buffer_lock:
+            if await asyncio.to_thread(self.buffer.set_detector, None if td is None else td.vad):
+                self.turn_item = None
 
     async def _append(self, event: dict) -> None:
         raw = appended_pcm(event, self.model)
@@ -189,7 +214,10 @@ class RealtimeSession:
             raise InvalidRequestError(
                 f"the input audio buffer would exceed the {self.model.max_audio_seconds:g} s "
                 "limit; commit or clear it first (this chunk was dropped)", param="audio")
-        for ev, turn in self.buffer.append(raw):
+        async with self._buffer_lock:
+            edges = (await asyncio.to_thread(self.buffer.append, raw) if self.buffer.vad
+                     else self.buffer.append(raw))
+        for ev, turn in edges:
             try:
                 if ev.kind == "start":
                     await self._speech_started(ev)
@@ -203,7 +231,9 @@ class RealtimeSession:
             raise RealtimeError("the input audio buffer is empty; append audio before committing",
                                 "audio", "input_audio_buffer_commit_empty")
         self.turn_item = None
-        await self._commit_audio(self.buffer.take(), new_id("item"))
+        async with self._buffer_lock:
+            raw = self.buffer.take()
+        await self._commit_audio(raw, new_id("item"))
 
     async def _commit_audio(self, raw: bytes, item_id: str) -> None:
         part = await asyncio.to_thread(audio_part, raw, self.model.max_audio_seconds, "audio")
@@ -214,17 +244,90 @@ class RealtimeSession:
         await self._add_item(item, len(self.conv.items))
 
     async def _clear(self, event: dict) -> None:
-        self.buffer.take()
+        async with self._buffer_lock:
+            self.buffer.take()
         self.turn_item = None
         await self.send({"type": "input_audio_buffer.cleared"})
 
-    # ---- server_vad -------------------------------------------------------------------------
+    # ---- turn detection ---------------------------------------------------------------------
     async def _speech_started(self, ev: VadEvent) -> None:
+        self._disarm_idle()
         self.turn_item = new_id("item")
         await self.send({"type": "input_audio_buffer.speech_started", "item_id": self.turn_item,
                          "audio_start_ms": ev.at * 1000 // PCM_RATE})
-        if self.active is not None and self.cfg.turn_detection.interrupt_response:
-            await self._stop_active("turn_detected")
+        r = self.active
+        if r is not None and self.cfg.turn_detection.interrupt_response:
+            await self._barge_in(r)
+
+    async def _barge_in(self, r: _Response) -> None:
+        """Cancels `r` and cuts its audio to what the user can have heard by now: what was sent
+        since its first audio delta, by the clock (a client that plays later, or slower, sends
+        its own conversation.item.truncate, which may cut further)."""
+        heard = (0.0 if r.first_audio_at is None
+                 else asyncio.get_running_loop().time() - r.first_audio_at)
+        await self._stop_active("turn_detected")
+        if r.item is None or r.item.parts[0].type != "output_audio":
+            return
+        audio_end_ms = self.conv.cut_heard(r.item.id, int(heard * 1000))
+        if audio_end_ms is not None:
+            await self.send({"type": "conversation.item.truncated", "item_id": r.item.id,
+                             "content_index": 0, "audio_end_ms": audio_end_ms})
+
+    def _arm_idle(self, r: _Response) -> None:
+        """idle_timeout_ms: armed when a response ends, to fire that long after its audio has
+        played out (by the clock, from its first delta) unless speech starts first. Once per
+        silence: the response the timeout makes does not arm it again (no endless answers to
+        nobody); the next turn or response does."""
+        td = self.cfg.turn_detection
+        self._disarm_idle()
+        if td is None or td.idle_timeout_ms is None:
+            return
+        loop = asyncio.get_running_loop()
+        played = loop.time() if r.first_audio_at is None else r.first_audio_at + r.audio_seconds
+        delay = max(0.0, played - loop.time()) + td.idle_timeout_ms / 1000
+        start = self.buffer.end()
+        self._idle = loop.call_later(delay, lambda: self._spawn(self._idle_timeout(start)))
+
+    def _disarm_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def _spawn(self, coro) -> None:
+        """A task of the session's own (a timer's work), kept until done; cancelled at disconnect."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _idle_timeout(self, start: int) -> None:
+        """The user said nothing for idle_timeout_ms: commit what the buffer holds (silence, as
+        OpenAI's: the model may still hear something) and answer."""
+        self._idle = None
+        if self.active is not None or (self.buffer.vad is not None and self.buffer.vad.speaking):
+            return
+        item_id = new_id("item")
+        try:
+            async with self._buffer_lock:
+                raw = self.buffer.take()
+            await self.send({"type": "input_audio_buffer.timeout_triggered", "item_id": item_id,
+                             "audio_start_ms": start * 1000 // PCM_RATE,
+                             "audio_end_ms": self.buffer.end() * 1000 // PCM_RATE})
+            if raw:
+                await self._commit_audio(raw, item_id)
+            await self._start_response(self.cfg, by_idle=True)
+        except InvalidRequestError as e:       # e.g. a full conversation
+            await self.send(error_json(str(e), e.param, "invalid_value"))
+        except _Closed:
+            pass
+
+    async def _output_clear(self, event: dict) -> None:
+        """output_audio_buffer.clear (OpenAI's WebRTC event): stop the audio of the running
+        response; on a WebSocket the audio already sent is the client's to drop."""
+        r = self.active
+        if r is not None:
+            await self._stop_active("client_cancelled")
+        await self.send({"type": "output_audio_buffer.cleared",
+                         "response_id": None if r is None else r.id})
 
     async def _speech_stopped(self, ev: VadEvent, turn: bytes) -> None:
         item_id, self.turn_item = self.turn_item or new_id("item"), None
@@ -263,7 +366,7 @@ class RealtimeSession:
                                    metadata)
 
     async def _start_response(self, cfg: SessionConfig, event_id: str | None = None,
-                              metadata: dict | None = None) -> None:
+                              metadata: dict | None = None, by_idle: bool = False) -> None:
         if not self.conv.items:
             raise InvalidRequestError("the conversation is empty; add an item "
                                       "(conversation.item.create) or commit audio first")
@@ -274,7 +377,7 @@ class RealtimeSession:
             await self.send(error_json(admission.refusal_message(), code="rate_limit_exceeded",
                                        kind="rate_limit_error", event_id=event_id))
             return
-        r = _Response(new_id("resp"), cfg, metadata=metadata)
+        r = _Response(new_id("resp"), cfg, metadata=metadata, by_idle=by_idle)
         self.active = r
         r.task = asyncio.create_task(self._respond(r, self.conv.messages(cfg.instructions)))
         r.task.add_done_callback(lambda _task: ticket.release())
@@ -378,6 +481,9 @@ class RealtimeSession:
             await self.send({"type": kind, **self._where(r), "delta": d.text})
         if d.audio is not None and speaks:
             pcm = encode_audio(d.audio, d.sample_rate, "pcm")   # 16-bit little-endian at 24 kHz
+            if r.first_audio_at is None:
+                r.first_audio_at = asyncio.get_running_loop().time()
+            r.audio_seconds += len(pcm) / 2 / PCM_RATE
             self.conv.keep_audio(r.item, pcm)
             await self.send({"type": "response.output_audio.delta", **self._where(r),
                              "delta": base64.b64encode(pcm).decode()})
@@ -403,6 +509,8 @@ class RealtimeSession:
             output = [r.item]
         if self.active is r:      # a response.create that answers response.done is welcome
             self.active = None
+        if r.cancel_reason is None and not r.by_idle:
+            self._arm_idle(r)
         await self.send({"type": "response.done", "response": response_json(
             r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens),
             r.metadata)})

@@ -5,10 +5,11 @@ openai SDK's `types/realtime` models read them).
 Audio formats: input and output are `audio/pcm` (pcm16, little-endian, mono) at 24 kHz; the
 model hears 16 kHz float32, so committed audio is resampled once, when it becomes an item.
 
-Turn detection: new sessions have none (`turn_detection: null`), unlike OpenAI's, which default
-to server_vad. The models served here may be random tiny ones and the VAD is a plain energy
-detector (server/vad.py), so a client that wants the server to cut turns opts in with
-session.update; `server_vad` is served, `semantic_vad` (a model of its own) is not.
+Turn detection: as OpenAI's, new sessions of a model that hears audio start with server_vad
+(OpenAI's defaults: threshold 0.5, prefix_padding_ms 300, silence_duration_ms 500,
+create_response and interrupt_response on): the Silero speech detector cuts the appended audio
+into turns and each turn gets a response. `semantic_vad` is served too, and `null` turns it off
+(the client commits turns itself); see server/turn_detection.py.
 
 session.update is strict: a key the GA session object lacks, at any level read here (a typo,
 or the beta layout's `session.turn_detection`), is an error naming it (code unknown_parameter,
@@ -27,7 +28,8 @@ import numpy as np
 
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_base64, decode_pcm16
-from omnistage.server.vad import TurnDetection, parse_turn_detection
+from omnistage.server.turn_detection import (SEMANTIC_VAD_KEYS, SERVER_VAD_KEYS, TurnDetection,
+                                             parse_turn_detection)
 from omnistage.server.voices import resolve_voice
 
 PCM_RATE = 24000              # Hz of every audio/pcm the API carries, in and out
@@ -62,8 +64,6 @@ BETA_SESSION_KEYS = {"modalities": "session.output_modalities",
                      "input_audio_noise_reduction": "session.audio.input.noise_reduction",
                      "turn_detection": "session.audio.input.turn_detection",
                      "max_response_output_tokens": "session.max_output_tokens"}
-SERVER_VAD_KEYS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms",
-                   "create_response", "interrupt_response", "idle_timeout_ms")
 # GA session fields not served here: the values that mean "none of it" (what session.created
 # reports), and why others are refused
 UNSERVED_SESSION_FIELDS = {
@@ -171,7 +171,8 @@ def model_abilities(engine) -> ModelAbilities:
 def default_config(model: ModelAbilities) -> SessionConfig:
     speaks = bool(model.speakers)
     return SessionConfig(output_modalities=["audio"] if speaks else ["text"],
-                         voice=model.speakers[0] if speaks else None)
+                         voice=model.speakers[0] if speaks else None,
+                         turn_detection=TurnDetection() if model.hears_audio else None)
 
 
 def update_config(cfg: SessionConfig, session, model: ModelAbilities,
@@ -220,8 +221,9 @@ def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities) -> None
             check_format(part["format"], f"session.audio.{side}.format")
     if "turn_detection" in inp:
         td = inp["turn_detection"]
-        if isinstance(td, dict) and td.get("type") == "server_vad":
-            check_keys(td, SERVER_VAD_KEYS, "session.audio.input.turn_detection")
+        if isinstance(td, dict) and td.get("type") in ("server_vad", "semantic_vad"):
+            keys = SERVER_VAD_KEYS if td["type"] == "server_vad" else SEMANTIC_VAD_KEYS
+            check_keys(td, keys, "session.audio.input.turn_detection")
         out.turn_detection = parse_turn_detection(td)
     for name in ("transcription", "noise_reduction"):
         if inp.get(name) is not None:

@@ -30,6 +30,9 @@ from omnistage.server.realtime_events import (MODEL_RATE, PCM_RATE, Item, ModelA
 class Conversation:
     model: ModelAbilities
     items: list[Item] = field(default_factory=list)
+    # assistant items the server truncated at a barge-in (by its clock): a client truncate
+    # there may name a later point (what its own playback counted), which cuts nothing more
+    cut_by_server: set[str] = field(default_factory=set)
 
     # ---- order ------------------------------------------------------------------------------
     def last_id(self) -> str | None:
@@ -95,12 +98,27 @@ class Conversation:
             raise InvalidRequestError("audio_end_ms must be a non-negative integer (milliseconds "
                                       "of the item's audio the user heard)", param="audio_end_ms")
         duration_ms = len(part.pcm) // 2 * 1000 // PCM_RATE
+        if item_id in self.cut_by_server:
+            audio_end_ms = min(audio_end_ms, duration_ms)
         if audio_end_ms > duration_ms:
             raise InvalidRequestError(f"audio_end_ms {audio_end_ms} is beyond the item's audio "
                                       f"({duration_ms} ms); send at most {duration_ms}",
                                       param="audio_end_ms")
         del part.pcm[audio_end_ms * PCM_RATE // 1000 * 2:]
         part.text = ""                 # OpenAI deletes the whole server-side transcript
+
+    def cut_heard(self, item_id: str, heard_ms: int) -> int | None:
+        """A barge-in's truncation of an assistant item to the `heard_ms` the user can have
+        heard (truncate's semantics: the transcript goes too); the cut point in ms, or None
+        when the item or its audio is gone."""
+        at = self._position(item_id)
+        if at is None or self.items[at].parts[0].pcm is None:
+            return None
+        part = self.items[at].parts[0]
+        end_ms = min(heard_ms, len(part.pcm) // 2 * 1000 // PCM_RATE)
+        self.truncate(item_id, 0, end_ms)
+        self.cut_by_server.add(item_id)
+        return end_ms
 
     def retrieve(self, item_id) -> Item:
         """A copy of the item that later deltas do not change (read it off the event loop)."""

@@ -1,8 +1,8 @@
 """GET /v1/realtime on the real server with a tiny Qwen2.5-Omni, driven by the openai SDK's
 Realtime client: text and audio turns (the transcript equals the offline API's greedy text),
-response.cancel and disconnects (the engine keeps nothing), server_vad turns (an automatic
-response; speech interrupting a response), bad events (an error event, and the session carries
-on), and the API key on the handshake."""
+response.cancel and disconnects (the engine keeps nothing), bad events (an error event, and the
+session carries on), and the API key on the handshake. Turns cut by the speech detector, barge-in
+and the voice-agent frameworks: test_realtime_voice.py."""
 
 from __future__ import annotations
 
@@ -139,63 +139,13 @@ def test_cancel_then_disconnect_leave_nothing_in_the_engine(client, omni_server,
     assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 2
 
 
-def _silence(seconds: float) -> bytes:
-    return bytes(2 * int(seconds * 24000))
-
-
-def _append_chunks(conn, pcm: bytes, chunk: int = 4800) -> None:
-    """Appends in 100 ms chunks, as a microphone would."""
-    for i in range(0, len(pcm), chunk):
-        conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i:i + chunk]).decode())
-
-
-def _vad_session(conn, **vad) -> None:
+def _manual(conn) -> None:
+    """Turn detection off (sessions start with server_vad): the test commits the audio it
+    appended, all of it (the detector drops the silence between turns)."""
     assert conn.recv().type == "session.created"
-    conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
-                                 "temperature": 0, "max_output_tokens": 3,
-                                 "audio": {"input": {"turn_detection": {"type": "server_vad",
-                                                                        **vad}}}})
-    td = _until(conn, "session.updated")[-1].session.audio.input.turn_detection
-    assert td.type == "server_vad" and td.prefix_padding_ms == 300 and td.threshold == 0.5
-
-
-def test_server_vad_turn_is_committed_and_answered(client):
-    with client.realtime.connect(model="tiny") as conn:
-        _vad_session(conn, silence_duration_ms=400)
-        _append_chunks(conn, _silence(1.0) + _pcm16_tone(0.6) + _silence(1.0))
-        events = _until(conn, "response.done")
-    types = [e.type for e in events]
-    assert types[:6] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                         "input_audio_buffer.committed", "conversation.item.added",
-                         "conversation.item.done", "response.created"]
-    started, stopped, committed, _, item_done = events[:5]
-    assert abs(started.audio_start_ms - (1000 - 300)) <= 20        # the tone, less the padding
-    assert abs(stopped.audio_end_ms - (1600 + 400)) <= 20          # the tone, and the silence
-    assert started.item_id == stopped.item_id == committed.item_id == item_done.item.id
-    assert item_done.item.role == "user" and item_done.item.content[0].type == "input_audio"
-    done = events[-1].response
-    assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 3
-
-
-def test_speech_during_a_response_cancels_it(client, omni_server, api_key):
-    with client.realtime.connect(model="tiny") as conn:
-        _vad_session(conn)
-        conn.conversation.item.create(item={"type": "message", "role": "user",
-                                            "content": [{"type": "input_text", "text": "Talk"}]})
-        _until(conn, "conversation.item.done")
-        conn.response.create(response={"output_modalities": ["audio"], "max_output_tokens": 4000})
-        _until(conn, "response.output_audio_transcript.delta")
-        _append_chunks(conn, _pcm16_tone(0.6) + _silence(0.8))
-        cancelled = _until(conn, "response.done")
-        types = [e.type for e in cancelled]
-        assert "input_audio_buffer.speech_started" in types
-        assert cancelled[-1].response.status == "cancelled"
-        assert cancelled[-1].response.status_details.reason == "turn_detected"
-        answered = _until(conn, "response.done")      # the turn, answered once it stopped
-        types = [e.type for e in answered]
-        assert types.index("input_audio_buffer.speech_stopped") < types.index("response.created")
-        assert answered[-1].response.usage.output_tokens == 3
-    _wait_engine_empty(omni_server, api_key)
+    conn.session.update(session={"type": "realtime",
+                                 "audio": {"input": {"turn_detection": None}}})
+    assert _until(conn, "session.updated")[-1].session.audio.input.turn_detection is None
 
 
 def test_bad_events_are_error_events_and_the_session_continues(client):
@@ -208,9 +158,10 @@ def test_bad_events_are_error_events_and_the_session_continues(client):
         err = _until(conn, "error")[-1].error
         assert "base64" in err.message and err.event_id == "ev1"
         conn.session.update(session={"type": "realtime", "audio": {"input": {
-            "turn_detection": {"type": "semantic_vad"}}}})
+            "turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}})
         err = _until(conn, "error")[-1].error
-        assert "semantic_vad" in err.message and err.param == "session.audio.input.turn_detection"
+        assert "low, medium" in err.message
+        assert err.param == "session.audio.input.turn_detection.eagerness"
         conn.session.update(session={"type": "realtime", "audio": {"input": {
             "turn_detection": {"type": "server_vad", "threshold": 2}}}})
         err = _until(conn, "error")[-1].error
@@ -230,14 +181,15 @@ def test_bad_events_are_error_events_and_the_session_continues(client):
         # still alive, and nothing of the refused updates applied
         conn.session.update(session={"type": "realtime", "instructions": "Be brief."})
         session = _until(conn, "session.updated")[-1].session
-        assert session.audio.input.turn_detection is None and session.instructions == "Be brief."
+        assert session.audio.input.turn_detection.type == "server_vad"    # the default
+        assert session.instructions == "Be brief."
         assert session.audio.output.voice != "nobody"
 
 
 def test_audio_buffer_is_bounded(client):
     thirty_seconds = base64.b64encode(_pcm16_tone(30.0)).decode()
     with client.realtime.connect(model="tiny") as conn:
-        assert conn.recv().type == "session.created"
+        _manual(conn)
         for _ in range(11):             # the tiny model's limit: 300 s per clip
             conn.input_audio_buffer.append(audio=thirty_seconds)
         err = _until(conn, "error")[-1].error
@@ -348,7 +300,7 @@ def test_truncate_and_retrieve_assistant_audio(client):
 def test_retrieve_returns_committed_audio(client):
     pcm = _pcm16_tone(0.5)
     with client.realtime.connect(model="tiny") as conn:
-        assert conn.recv().type == "session.created"
+        _manual(conn)
         conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
         conn.input_audio_buffer.commit()
         item_id = _until(conn, "conversation.item.done")[-1].item.id
@@ -453,7 +405,7 @@ def test_unknown_session_keys_are_named_and_the_session_continues(client):
         conn.session.update(session={"type": "realtime", "max_output_tokens": 4})
         session = _until(conn, "session.updated")[-1].session
         assert session.instructions == "" and session.output_modalities == ["audio"]
-        assert session.audio.input.turn_detection is None
+        assert session.audio.input.turn_detection.type == "server_vad"     # the default, kept
         done = _text_exchange(conn)
     assert done.status in ("completed", "incomplete") and done.usage.output_tokens == 2
 
@@ -463,7 +415,7 @@ def test_oversized_append_is_an_error_event_and_the_session_continues(client):
     closed the socket with 1009): an error event; the buffer keeps only the later appends."""
     pcm = _pcm16_tone(0.5)
     with client.realtime.connect(model="tiny") as conn:
-        assert conn.recv().type == "session.created"
+        _manual(conn)
         conn.input_audio_buffer.append(audio="A" * 19_000_000, event_id="ev_big")  # zeros
         err = _until(conn, "error")[-1].error
         assert (err.param, err.event_id, err.code) == ("audio", "ev_big", "invalid_value")
@@ -484,9 +436,12 @@ def test_the_reported_session_is_a_valid_update():
     session.update's checks unchanged, also with server_vad on."""
     from omnistage.server.realtime_events import (ModelAbilities, TurnDetection, default_config,
                                                   update_config)
+    from omnistage.server.turn_detection import VadConfig
 
     model = ModelAbilities(speakers=["Chelsie"], hears_audio=True, max_audio_seconds=300)
-    for td in (None, TurnDetection()):
+    assert default_config(model).turn_detection == TurnDetection()     # server_vad, as OpenAI
+    semantic = TurnDetection(VadConfig(eagerness="low"), interrupt_response=False)
+    for td in (None, TurnDetection(), TurnDetection(idle_timeout_ms=7000), semantic):
         cfg = default_config(model)
         cfg.turn_detection = td
         shown = {k: v for k, v in cfg.to_json("sess_1", "tiny").items() if k not in ("id", "object")}

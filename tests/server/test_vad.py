@@ -1,139 +1,148 @@
-"""EnergyVad on synthetic 24 kHz pcm16: one start/stop per burst at the burst's edges (within
-a frame), prefix padding and silence duration as configured, the threshold's dB mapping, the
-noise floor, clicks ignored, and offsets independent of how the audio is chunked; the input
-buffer cutting turns out of appended audio; and the turn_detection setting's parsing."""
+"""The Silero speech detector on real speech (espeak-ng sentences at 24 kHz pcm16, as a
+Realtime client sends): one start/stop per sentence within 100 ms of where the speech is
+(OpenAI's offsets: padding before, the confirming silence after), the same events whatever the
+chunking, nothing for white noise or music at the speech's loudness, pauses shorter than the
+silence duration kept in the turn, semantic_vad's eagerness rule; the input buffer cutting
+turns out of appended audio; and the turn_detection setting's parsing."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from benchmarks.espeak import RATE, SENTENCES, espeak, pcm16
 from omnistage.errors import InvalidRequestError
-from omnistage.server.vad import EnergyVad, InputAudioBuffer, VadConfig, parse_turn_detection
+from omnistage.server.turn_detection import TurnDetection, VadConfig, parse_turn_detection
+from omnistage.server.vad import InputAudioBuffer, SileroLoader, SileroVad
 
-RATE = 24000
-FRAME = 480                       # 20 ms
-
-
-def _db(amplitude_db: float, n: int, rng, kind: str = "noise") -> np.ndarray:
-    """n float samples whose RMS is `amplitude_db` dBFS (white noise, or a 440 Hz sine)."""
-    if kind == "tone":
-        x = np.sin(2 * np.pi * 440 * np.arange(n) / RATE) * np.sqrt(2)
-    else:
-        x = rng.standard_normal(n)
-    return x * 10 ** (amplitude_db / 20)
+MS = RATE // 1000
+TOLERANCE = 100 * MS
 
 
-def _pcm(parts: list[tuple[float, float | None, str]], seed: int = 0) -> bytes:
-    """[(seconds, level dBFS or None for digital silence, kind)] -> pcm16 bytes."""
-    rng = np.random.default_rng(seed)
-    chunks = [np.zeros(round(s * RATE)) if db is None else _db(db, round(s * RATE), rng, kind)
-              for s, db, kind in parts]
-    return (np.clip(np.concatenate(chunks), -1, 1) * 32767).astype("<i2").tobytes()
+@pytest.fixture(scope="module")
+def model():
+    return SileroLoader().get()
 
 
-def _feed(vad: EnergyVad, pcm: bytes, chunk: int = 2 * 1234) -> list:
-    """Feeds odd-sized chunks (not a multiple of the frame) and collects the events."""
-    events = []
-    for i in range(0, len(pcm), chunk):
-        events += vad.feed(pcm[i:i + chunk])
+def _noise_floor(n: int, seed: int) -> np.ndarray:
+    """A quiet room (-60 dBFS white noise), so that "silence" is not digital zeros."""
+    return (10 ** (-60 / 20) * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+
+
+def _conversation(gaps_s: list[float], tail_s: float = 1.5) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Sentences separated by the given silences (and 0.8 s before the first, `tail_s` after
+    the last), over a quiet room; and each sentence's (onset, end) sample."""
+    pieces, truth, at = [np.zeros(int(0.8 * RATE), np.float32)], [], int(0.8 * RATE)
+    for k, gap in enumerate(gaps_s + [tail_s]):
+        s = espeak(SENTENCES[k % len(SENTENCES)])
+        speech = s.audio[s.onset:s.end]
+        truth.append((at, at + speech.size))
+        pieces += [speech, np.zeros(int(gap * RATE), np.float32)]
+        at += speech.size + int(gap * RATE)
+    audio = np.concatenate(pieces)
+    return audio + _noise_floor(audio.size, 0), truth
+
+
+def _feed(vad: SileroVad, pcm: bytes, chunk_ms: int = 100) -> list:
+    events, step = [], 2 * chunk_ms * MS
+    for i in range(0, len(pcm), step):
+        events += vad.feed(pcm[i:i + step])
     return events
 
 
-@pytest.mark.parametrize("kind", ["noise", "tone"])
-@pytest.mark.parametrize("background", [None, -70.0])
-def test_one_burst_gives_one_turn_at_its_edges(kind, background):
-    lead = 1.0 + 100 / RATE                       # the burst starts mid-frame, at sample 24100
-    pcm = _pcm([(lead, background, "noise"), (0.6, -20.0, kind), (1.0, background, "noise")])
-    start, stop = _feed(EnergyVad(VadConfig()), pcm)
-    onset, end = 24100, 24100 + 14400
-    assert start.kind == "start" and stop.kind == "stop"
-    assert abs(start.speech - onset) < FRAME and start.speech % FRAME == 0
-    assert start.at == start.speech - 300 * 24                    # prefix_padding_ms = 300
-    assert abs(stop.speech - end) < FRAME
-    assert stop.at == stop.speech + 500 * 24                      # silence_duration_ms = 500
+def test_sentences_give_one_turn_each_at_the_speech(model):
+    audio, truth = _conversation([1.2, 1.6])
+    cfg = VadConfig()                                   # OpenAI's: 0.5, 300 ms, 500 ms
+    events = _feed(SileroVad(model, cfg), pcm16(audio))
+    assert [e.kind for e in events] == ["start", "stop"] * 3
+    for (start, stop), (onset, end) in zip(zip(events[::2], events[1::2]), truth):
+        assert abs(start.speech - onset) <= TOLERANCE, (start, onset)
+        assert start.at == start.speech - 300 * MS                  # audio_start_ms
+        assert abs(stop.speech - end) <= TOLERANCE, (stop, end)
+        # audio_end_ms: the confirming silence, 500 ms rounded up to whole 32 ms windows
+        assert stop.at - stop.speech == 16 * 768
+        assert abs(stop.at - (end + 500 * MS)) <= TOLERANCE
 
 
-def test_chunking_does_not_move_the_events():
-    pcm = _pcm([(0.7, None, ""), (0.6, -25.0, "noise"), (0.8, None, "")])
-    whole = EnergyVad(VadConfig()).feed(pcm)
-    assert len(whole) == 2
-    for chunk in (2, 2 * 479, 2 * 481, 2 * 4800):
-        assert _feed(EnergyVad(VadConfig()), pcm, chunk) == whole
+def test_chunking_does_not_move_the_events(model):
+    pcm = pcm16(_conversation([1.0])[0])
+    whole = _feed(SileroVad(model, VadConfig()), pcm, chunk_ms=100)
+    for chunk_ms in (20, 1000):
+        assert _feed(SileroVad(model, VadConfig()), pcm, chunk_ms) == whole
 
 
-def test_padding_and_silence_follow_the_config_and_clamp_at_the_origin():
-    pcm = _pcm([(0.2, None, ""), (0.6, -20.0, "noise"), (0.5, None, "")])
-    cfg = VadConfig(prefix_padding_ms=500, silence_duration_ms=200)
-    start, stop = EnergyVad(cfg, origin=1000).feed(pcm)
-    assert start.speech == 1000 + 4800 and start.at == 1000          # 500 ms before is < origin
-    assert stop.speech == 1000 + 4800 + 14400 and stop.at == stop.speech + 4800
+def _music(n: int, seed: int) -> np.ndarray:
+    """A melody: notes with harmonics and a decaying envelope, 250 ms each, a 5 Hz vibrato."""
+    t = np.arange(n) / RATE
+    notes = 220 * 2 ** (np.random.default_rng(seed).integers(0, 12, size=n // (RATE // 4) + 1) / 12)
+    f = notes[(t * 4).astype(int)] * (1 + 0.01 * np.sin(2 * np.pi * 5 * t))
+    phase = 2 * np.pi * np.cumsum(f) / RATE
+    env = np.exp(-3 * (t % 0.25))
+    return env * sum(np.sin(k * phase) / k for k in (1, 2, 3, 4))
 
 
-def test_a_pause_shorter_than_the_silence_duration_keeps_the_turn():
-    pcm = _pcm([(0.5, None, ""), (0.6, -20.0, "noise"), (0.3, None, ""), (0.6, -20.0, "noise"),
-                (1.0, None, "")])
-    long_silence = EnergyVad(VadConfig(silence_duration_ms=500)).feed(pcm)
+@pytest.mark.parametrize("kind", ["white noise", "music"])
+def test_noise_and_music_at_speech_loudness_are_no_turn(model, kind):
+    s = espeak(SENTENCES[0])
+    level = np.sqrt(np.mean(s.audio[s.onset:s.end] ** 2))            # the speech's RMS
+    n = 6 * RATE
+    x = np.random.default_rng(1).standard_normal(n) if kind == "white noise" else _music(n, 1)
+    x = (x * level / np.sqrt(np.mean(x ** 2))).astype(np.float32)
+    silence = np.zeros(RATE // 2, np.float32)
+    assert _feed(SileroVad(model, VadConfig()), pcm16(np.concatenate([silence, x, silence]))) == []
+
+
+def test_a_pause_shorter_than_the_silence_duration_keeps_the_turn(model):
+    audio, truth = _conversation([0.7])
+    pcm = pcm16(audio)
+    long_silence = _feed(SileroVad(model, VadConfig(silence_duration_ms=1000)), pcm)
     assert [e.kind for e in long_silence] == ["start", "stop"]
-    assert long_silence[1].speech == 12000 + 36000                  # the second burst's end
-    short_silence = EnergyVad(VadConfig(silence_duration_ms=200)).feed(pcm)
+    assert abs(long_silence[1].speech - truth[1][1]) <= TOLERANCE     # the second one's end
+    short_silence = _feed(SileroVad(model, VadConfig(silence_duration_ms=400)), pcm)
     assert [e.kind for e in short_silence] == ["start", "stop", "start", "stop"]
 
 
-def test_threshold_maps_onto_the_level_gate():
-    quiet = _pcm([(0.5, None, ""), (0.6, -40.0, "noise"), (1.0, None, "")])
-    assert len(EnergyVad(VadConfig(threshold=0.5)).feed(quiet)) == 2      # gate -45 dBFS
-    assert EnergyVad(VadConfig(threshold=0.9)).feed(quiet) == []          # gate -33 dBFS
-    assert VadConfig(threshold=0.0).gate_db == -60 and VadConfig(threshold=1.0).margin_db == 25
+def test_semantic_eagerness_sets_the_pause_that_ends_a_turn(model):
+    assert VadConfig(eagerness="high").pause_ms(3000) == 400
+    assert VadConfig(eagerness="medium").pause_ms(3000) == 800 == VadConfig(eagerness="auto").pause_ms(3000)
+    assert VadConfig(eagerness="low").pause_ms(3000) == 1600
+    assert VadConfig(eagerness="low").pause_ms(500) == 3200           # a short fragment waits
+    assert VadConfig(eagerness="high").pause_ms(500) == 800
+    assert VadConfig(silence_duration_ms=700).pause_ms(10) == 700     # server_vad: fixed
+    pcm = pcm16(_conversation([1.0], tail_s=3.5)[0])                   # a 1 s pause
+    kinds = {e: [ev.kind for ev in _feed(SileroVad(model, VadConfig(eagerness=e)), pcm)]
+             for e in ("high", "low")}
+    assert kinds == {"high": ["start", "stop"] * 2, "low": ["start", "stop"]}
 
 
-def test_steady_background_noise_becomes_the_floor():
-    vad = EnergyVad(VadConfig())                    # floor_window_ms = 3000
-    # -35 dBFS clears the -45 dBFS gate: from the first sample it is a turn, until the window
-    # has heard nothing else (3 s), then it is the floor
-    start, stop = vad.feed(_pcm([(4.0, -35.0, "noise")]))
-    assert start.speech == 0 and stop.speech == 3 * RATE
-    assert vad.feed(_pcm([(2.0, -35.0, "noise")], 1)) == [] and not vad.speaking
-    # over that floor, only what clears it by the 15 dB margin (at threshold 0.5) is speech
-    assert vad.feed(_pcm([(0.6, -30.0, "noise"), (1.0, -35.0, "noise")], 2)) == []
-    [start, stop] = vad.feed(_pcm([(0.6, -15.0, "noise"), (1.0, -35.0, "noise")], 3))
-    assert (start.speech, stop.speech) == (76 * RATE // 10, 82 * RATE // 10)
+def test_keep_from_bounds_the_audio_a_session_must_keep(model):
+    vad = SileroVad(model, VadConfig())
+    vad.feed(pcm16(_noise_floor(RATE, 2)))
+    # the last prefix_padding_ms before what was judged (whole windows; the resampler trails)
+    assert RATE - 300 * MS - 2 * 768 <= vad.keep_from() <= RATE - 300 * MS
+    s = espeak(SENTENCES[4])
+    [start] = vad.feed(pcm16(s.audio[s.onset:s.onset + RATE // 2]))
+    assert vad.speaking and vad.keep_from() == start.at
+    vad.reset()                                               # a manual commit ends the turn
+    assert not vad.speaking
 
 
-def test_a_voice_at_the_first_sample_is_heard():
-    start, stop = EnergyVad(VadConfig()).feed(_pcm([(0.6, -20.0, "tone"), (0.8, None, "")]))
-    assert (start.at, start.speech, stop.speech) == (0, 0, 14400)
-
-
-def test_a_click_is_not_a_turn():
-    click = _pcm([(0.5, None, ""), (0.04, -10.0, "noise"), (1.0, None, "")])   # 40 ms < 60 ms
-    assert EnergyVad(VadConfig()).feed(click) == []
-
-
-def test_keep_from_bounds_the_audio_a_session_must_keep():
-    vad = EnergyVad(VadConfig())
-    vad.feed(_pcm([(1.0, None, "")]))
-    assert vad.keep_from() == RATE - 7200                   # the last prefix_padding_ms
-    [start] = vad.feed(_pcm([(0.3, -20.0, "noise")]))
-    assert vad.speaking and vad.keep_from() == start.at == RATE - 7200
-    vad.reset()                                             # a manual commit ends the turn
-    assert not vad.speaking and vad.feed(_pcm([(1.0, None, "")])) == []
-
-
-def test_input_buffer_cuts_turns_and_drops_the_silence_between():
-    buf = InputAudioBuffer()
-    assert buf.append(_pcm([(0.5, None, "")])) == [] and len(buf) == 2 * 12000   # no detector
+def test_input_buffer_cuts_turns_and_drops_the_silence_between(model):
+    buf = InputAudioBuffer(RATE, SileroLoader())
+    silence = pcm16(_noise_floor(RATE // 2, 3))
+    assert buf.append(silence) == [] and len(buf) == 2 * 12000    # no detector: all kept
     assert buf.set_detector(VadConfig()) and not buf.set_detector(VadConfig())
-    pcm = _pcm([(2.0, None, ""), (0.6, -20.0, "noise"), (1.0, None, "")])
-    edges = []
+    audio, [(onset, end)] = _conversation([])
+    pcm, edges = pcm16(audio), []
     for i in range(0, len(pcm), 4800):
         edges += buf.append(pcm[i:i + 4800])
-        assert len(buf) <= 2 * (7200 + 14400 + 12000 + 4800)    # padding, burst, silence, chunk
+        assert len(buf) <= 2 * (300 * MS + (end - onset) + 800 * MS + 2400)
     (start, head), (stop, turn) = edges
-    assert head == b"" and start.at == 12000 + 48000 - 7200     # offsets count all audio
-    assert turn == pcm[2 * (start.at - 12000):2 * (stop.at - 12000)]
-    assert buf.end() == 12000 + len(pcm) // 2 and len(buf) <= 2 * 7200
-    buf.append(_pcm([(0.3, -20.0, "noise")]))                   # a turn begins ...
+    assert head == b"" and abs(start.at - (12000 + onset - 300 * MS)) <= TOLERANCE
+    assert turn == pcm[2 * (start.at - 12000):2 * (stop.at - 12000)]   # offsets count all audio
+    assert buf.end() == 12000 + len(pcm) // 2 and len(buf) <= 2 * (300 * MS + 768)
+    s = espeak(SENTENCES[2])
+    buf.append(pcm16(s.audio[s.onset:s.onset + RATE // 2]))         # a turn begins ...
     assert buf.vad.speaking and buf.take() and not buf.vad.speaking and len(buf) == 0
     assert buf.set_detector(None) and buf.vad is None
 
@@ -141,14 +150,25 @@ def test_input_buffer_cuts_turns_and_drops_the_silence_between():
 def test_turn_detection_setting():
     assert parse_turn_detection(None) is None
     td = parse_turn_detection({"type": "server_vad", "silence_duration_ms": 200,
-                               "create_response": False})
+                               "create_response": False, "idle_timeout_ms": 6000})
     assert td.vad == VadConfig(silence_duration_ms=200) and not td.create_response
-    assert td.interrupt_response and td.to_json()["threshold"] == 0.5
-    for bad, param in [({"type": "semantic_vad"}, "turn_detection"),
+    assert td.interrupt_response and td.idle_timeout_ms == 6000
+    assert td.to_json() == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                            "silence_duration_ms": 200, "create_response": False,
+                            "interrupt_response": True, "idle_timeout_ms": 6000}
+    semantic = parse_turn_detection({"type": "semantic_vad", "eagerness": "low",
+                                     "interrupt_response": None})
+    assert semantic == TurnDetection(VadConfig(eagerness="low"))
+    assert semantic.to_json() == {"type": "semantic_vad", "eagerness": "low",
+                                  "create_response": True, "interrupt_response": True}
+    assert parse_turn_detection({"type": "semantic_vad"}).vad.eagerness == "auto"
+    for bad, param in [({"type": "vad"}, "type"),
                        ({"type": "server_vad", "threshold": True}, "threshold"),
+                       ({"type": "server_vad", "threshold": 1.5}, "threshold"),
                        ({"type": "server_vad", "prefix_padding_ms": 2.5}, "prefix_padding_ms"),
                        ({"type": "server_vad", "interrupt_response": 1}, "interrupt_response"),
-                       ({"type": "server_vad", "idle_timeout_ms": 5000}, "idle_timeout_ms")]:
+                       ({"type": "server_vad", "idle_timeout_ms": 0}, "idle_timeout_ms"),
+                       ({"type": "semantic_vad", "eagerness": "eager"}, "eagerness")]:
         with pytest.raises(InvalidRequestError) as e:
             parse_turn_detection(bad)
         assert e.value.param.endswith(param)
