@@ -24,10 +24,10 @@ from omnistage.sampling_params import SamplingParams
 from omnistage.server.access_log import AccessRecord
 from omnistage.server.errors import error_event
 from omnistage.server.streams import chain
+from omnistage.server.transcribe import transcribe
 from omnistage.server.voices import resolve_voice
 
 READ_ALOUD = "Read the following text aloud, exactly as written, and say nothing else:\n\n"
-TRANSCRIBE = "Transcribe the speech in this audio into text. Reply with the transcript only."
 
 
 class SpeechBody(BaseModel):
@@ -64,9 +64,7 @@ def add_audio_routes(app: FastAPI, engine, stats, model_name: str, check_model) 
         data = await file.read()
         if not data:
             raise InvalidRequestError("file is empty", param="file")
-        ask = TRANSCRIBE + (f" The language is {language}." if language else "") + \
-            (f" Context: {prompt}" if prompt else "")
-        return await _transcribe(engine, data, ask, temperature, language, response_format,
+        return await _transcribe(engine, data, prompt, temperature, language, response_format,
                                  f"transcribe-{request.state.request_id}", request.state.access)
 
 
@@ -115,19 +113,16 @@ async def _speech(engine, stats, body: SpeechBody, rid: str, record: AccessRecor
                     media_type=content_type(body.response_format))
 
 
-async def _transcribe(engine, data: bytes, ask: str, temperature: float, language: str | None,
-                      response_format: str, rid: str, record: AccessRecord):
+async def _transcribe(engine, data: bytes, prompt: str | None, temperature: float,
+                      language: str | None, response_format: str, rid: str, record: AccessRecord):
     # decoded here (off the event loop), so the reply knows the audio's duration
     audio = await asyncio.to_thread(decode_audio, data, param="file",
                                     max_seconds=engine.abilities.max_audio_seconds)
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": audio.samples},
-                                             {"type": "text", "text": ask}]}]
     t0 = time.monotonic()
     text, duration = "", round(audio.duration, 3)
     record.audio_seconds, record.completion_tokens = audio.duration, 0    # the audio heard
     try:
-        async for d in engine.generate(messages, SamplingParams(temperature=temperature, max_tokens=448),
-                                       request_id=rid, output=OutputOptions(modalities=["text"])):
+        async for d in transcribe(engine, audio.samples, rid, language, prompt, temperature):
             text += d.text
             record.prompt_tokens = max(record.prompt_tokens or 0, d.num_prompt_tokens)
             record.completion_tokens += len(d.token_ids)

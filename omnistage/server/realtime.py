@@ -38,13 +38,15 @@ from omnistage.media.encode import encode_audio
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
-from omnistage.server.realtime_events import (PCM_RATE, Item, Part, RealtimeError, SessionConfig,
+from omnistage.server.realtime_events import (PCM_RATE, InputTranscription, Item, Part,
+                                              RealtimeError, SessionConfig,
                                               appended_pcm, audio_part, check_event_size,
                                               check_metadata, check_room, default_config,
                                               error_json, insert_position, model_abilities,
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
+from omnistage.server.transcribe import transcribe
 from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 
 log = logging.getLogger(__name__)
@@ -242,6 +244,8 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.committed", "item_id": item.id,
                          "previous_item_id": self.conv.last_id()})
         await self._add_item(item, len(self.conv.items))
+        if self.cfg.transcription is not None:
+            self._spawn(self._transcribe(item, self.cfg.transcription))
 
     async def _clear(self, event: dict) -> None:
         async with self._buffer_lock:
@@ -319,6 +323,47 @@ class RealtimeSession:
             await self.send(error_json(str(e), e.param, "invalid_value"))
         except _Closed:
             pass
+
+    async def _transcribe(self, item: Item, how: InputTranscription) -> None:
+        """conversation.item.input_audio_transcription.delta / .completed (or .failed) for a
+        committed user audio item, by the served model, beside any response (its own engine
+        request and admission ticket); the transcript is kept in the item."""
+        where = {"item_id": item.id, "content_index": 0}
+        ticket = self.ws.app.state.admission.try_acquire()
+        try:
+            if ticket is None:
+                raise RealtimeError("the server is at its request bound; the audio was not "
+                                    "transcribed", None, "rate_limit_exceeded")
+            deltas = transcribe(self.engine, item.parts[0].audio, f"realtime-{item.id}-asr",
+                                how.language, how.prompt)
+            text, prompt_tokens, output_tokens = "", 0, 0
+            try:
+                async for d in deltas:
+                    prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
+                    output_tokens += len(d.token_ids)
+                    if d.text:
+                        text += d.text
+                        await self.send({"type": "conversation.item.input_audio_transcription.delta",
+                                         **where, "delta": d.text})
+            finally:
+                await deltas.aclose()
+            item.parts[0].text = text.strip()
+            await self.send({"type": "conversation.item.input_audio_transcription.completed",
+                             **where, "transcript": item.parts[0].text,
+                             "usage": {"type": "tokens", **usage_json(prompt_tokens, output_tokens)}})
+        except _Closed:
+            pass
+        except Exception as e:  # noqa: BLE001 - a failed transcript is an event, not a crash
+            if not isinstance(e, InvalidRequestError):
+                log.error("realtime transcription of %s failed", item.id, exc_info=e)
+            code = e.code if isinstance(e, RealtimeError) else None
+            message = str(e) if isinstance(e, InvalidRequestError) else "internal error"
+            await self.send({"type": "conversation.item.input_audio_transcription.failed",
+                             **where, "error": {"type": "transcription_error", "code": code,
+                                                "message": message, "param": None}})
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     async def _output_clear(self, event: dict) -> None:
         """output_audio_buffer.clear (OpenAI's WebRTC event): stop the audio of the running

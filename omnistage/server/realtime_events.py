@@ -73,7 +73,7 @@ UNSERVED_SESSION_FIELDS = {
     "tracing": ((None,), "tracing is not supported"),
     "truncation": ((None, "disabled"), "truncation is not supported (a conversation that "
                                        "outgrows the context window fails its response)"),
-    "include": ((None, []), "input audio transcription (and its logprobs) is not supported"),
+    "include": ((None, []), "transcription logprobs (include) are not supported"),
     "prompt": ((None,), "stored prompts are not supported"),
     "reasoning": ((None,), "reasoning settings are not supported"),
 }
@@ -127,6 +127,38 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
+@dataclass(frozen=True)
+class InputTranscription:
+    """session.audio.input.transcription: each committed user audio item is transcribed by the
+    served model itself (server/transcribe.py), whatever `model` names (reported back as
+    given), into conversation.item.input_audio_transcription.delta / .completed events."""
+
+    model: str
+    language: str | None = None           # ISO-639-1, a hint in the ask
+    prompt: str | None = None             # earlier words, names, spellings
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "language": self.language, "prompt": self.prompt}
+
+
+def parse_transcription(value, served_model: str) -> InputTranscription | None:
+    param = "session.audio.input.transcription"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be null or an object", param=param)
+    check_keys(value, ("model", "language", "prompt"), param)
+    for key in ("model", "language", "prompt"):
+        if value.get(key) is not None and not isinstance(value[key], str):
+            raise InvalidRequestError(f"{param}.{key} must be a string", param=f"{param}.{key}")
+    language = value.get("language") or None
+    if language is not None and not (2 <= len(language) <= 8 and language.replace("-", "").isalpha()):
+        raise InvalidRequestError(f"{param}.language must be a language code such as 'en'; "
+                                  f"got {language!r}", param=f"{param}.language")
+    return InputTranscription(value.get("model") or served_model, language,
+                              value.get("prompt") or None)
+
+
 @dataclass
 class SessionConfig:
     """What session.update may change; checked as a whole before it replaces the old one."""
@@ -137,12 +169,15 @@ class SessionConfig:
     max_output_tokens: int | None = None  # None: "inf" (up to the context window)
     temperature: float = DEFAULT_TEMPERATURE   # extension (beta field): 0 is greedy
     turn_detection: TurnDetection | None = None   # None: the client commits turns itself
+    transcription: InputTranscription | None = None   # None: user audio is not transcribed
 
     def to_json(self, session_id: str, model: str) -> dict:
         return {"type": "realtime", "object": "realtime.session", "id": session_id,
                 "model": model, "output_modalities": list(self.output_modalities),
                 "instructions": self.instructions,
-                "audio": {"input": {"format": PCM_FORMAT, "transcription": None,
+                "audio": {"input": {"format": PCM_FORMAT,
+                                    "transcription": None if self.transcription is None
+                                    else self.transcription.to_json(),
                                     "noise_reduction": None,
                                     "turn_detection": None if self.turn_detection is None
                                     else self.turn_detection.to_json()},
@@ -204,11 +239,11 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities,
             raise InvalidRequestError("session.temperature must be a number in [0, 2]",
                                       param="session.temperature")
         out.temperature = float(t)
-    _apply_audio(out, _object(session.get("audio"), "session.audio"), model)
+    _apply_audio(out, _object(session.get("audio"), "session.audio"), model, served_model)
     return out
 
 
-def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities) -> None:
+def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities, served_model: str) -> None:
     """session.audio (input and output) applied over `out`."""
     check_keys(audio, ("input", "output"), "session.audio")
     inp = given(_object(audio.get("input"), "session.audio.input"))
@@ -225,11 +260,16 @@ def _apply_audio(out: SessionConfig, audio: dict, model: ModelAbilities) -> None
             keys = SERVER_VAD_KEYS if td["type"] == "server_vad" else SEMANTIC_VAD_KEYS
             check_keys(td, keys, "session.audio.input.turn_detection")
         out.turn_detection = parse_turn_detection(td)
-    for name in ("transcription", "noise_reduction"):
-        if inp.get(name) is not None:
-            raise InvalidRequestError(f"input audio {name.replace('_', ' ')} is not supported; "
-                                      f"set session.audio.input.{name} to null",
-                                      param=f"session.audio.input.{name}")
+    if "transcription" in inp:
+        if inp["transcription"] is not None and not model.hears_audio:
+            raise InvalidRequestError("this model does not hear audio: it cannot transcribe; set "
+                                      "session.audio.input.transcription to null",
+                                      param="session.audio.input.transcription")
+        out.transcription = parse_transcription(inp["transcription"], served_model)
+    if inp.get("noise_reduction") is not None:
+        raise InvalidRequestError("input audio noise reduction is not supported; set "
+                                  "session.audio.input.noise_reduction to null",
+                                  param="session.audio.input.noise_reduction")
     if output.get("speed", 1.0) != 1.0:
         raise InvalidRequestError("session.audio.output.speed must be 1.0",
                                   param="session.audio.output.speed")
@@ -350,7 +390,7 @@ def parse_max_tokens(value, param: str) -> int | None:
 @dataclass
 class Part:
     type: str                             # input_text | input_audio | output_text | output_audio
-    text: str = ""                        # the text, or an output_audio part's transcript
+    text: str = ""                        # the text, or an audio part's transcript
     audio: np.ndarray | None = None       # input_audio: (N,) float32 at MODEL_RATE
     # output_audio: the pcm16 at PCM_RATE the client was sent (realtime_items bounds it);
     # None once dropped to make room, or for other parts
@@ -358,7 +398,7 @@ class Part:
 
     def to_json(self) -> dict:
         if self.type == "input_audio":
-            return {"type": "input_audio", "audio": None, "transcript": None}
+            return {"type": "input_audio", "audio": None, "transcript": self.text or None}
         if self.type == "output_audio":
             return {"type": "output_audio", "audio": None, "transcript": self.text}
         return {"type": self.type, "text": self.text}

@@ -164,3 +164,39 @@ def test_output_audio_buffer_clear_stops_the_answer(client, omni_server, api_key
         done = next(e for e in events if e.type == "response.done").response
         assert done.status == "cancelled" and events[-1].response_id == done.id
     _wait_engine_empty(omni_server, api_key)
+
+
+def test_input_audio_is_transcribed_by_the_served_model(client):
+    """LiveKit's default asks for gpt-4o-mini-transcribe: any name is served by our own model,
+    and the transcript is what /v1/audio/transcriptions says of the same audio."""
+    import io
+    import wave
+
+    pcm, _, _ = _spoken(4, lead_s=0.2, tail_s=0.2)
+    with client.realtime.connect(model="tiny") as conn:
+        session = _session(conn, output_modalities=["text"], audio={"input": {
+            "turn_detection": None, "transcription": {"model": "gpt-4o-mini-transcribe",
+                                                      "language": "en"}}})
+        assert session.audio.input.transcription.model == "gpt-4o-mini-transcribe"
+        _append(conn, pcm)
+        conn.input_audio_buffer.commit()
+        events = _until(conn, "conversation.item.input_audio_transcription.completed")
+        item_id = next(e.item_id for e in events if e.type == "input_audio_buffer.committed")
+        deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+        done = events[-1]
+        assert deltas and {e.item_id for e in deltas} == {item_id} == {done.item_id}
+        assert done.transcript == "".join(e.delta for e in deltas).strip() and done.transcript
+        assert done.usage.output_tokens >= len(deltas)
+        conn.conversation.item.retrieve(item_id=item_id)
+        got = _until(conn, "conversation.item.retrieved")[-1].item
+        assert got.content[0].transcript == done.transcript
+        conn.session.update(session={"type": "realtime", "audio": {"input": {
+            "noise_reduction": {"type": "near_field"}}}})
+        err = _until(conn, "error")[-1].error
+        assert err.param == "session.audio.input.noise_reduction"
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(RATE), w.writeframes(pcm)
+    offline = client.audio.transcriptions.create(model="tiny", file=("a.wav", wav.getvalue()),
+                                                 language="en")
+    assert offline.text == done.transcript
