@@ -97,6 +97,7 @@ def run_job(job):
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     from benchmarks.omni_jobs import HFResult
+    from omnistage.models.qwen3_omni.loader import voice_order
 
     if job.threads:
         torch.set_num_threads(job.threads)
@@ -104,7 +105,7 @@ def run_job(job):
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(job.model_dir,
                                                                  dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(job.model_dir)
-    speaker = sorted(model.config.talker_config.speaker_id)[0]   # omnistage's default voice
+    speaker = voice_order(model.config.talker_config.speaker_id)[0]   # omnistage's default voice
     settings = talker_settings(job.model_dir, job.codec_tokens)
     generate = _generator(model, tok, settings, speaker)
     generate([{"role": "user", "content": "Warm up."}], 4, 8)    # not timed

@@ -50,6 +50,11 @@ class OutputOptions:
     voice: str | None = None              # speaker name; None: the model's first
     talker_params: SamplingParams | None = None  # speech token sampling; None: model defaults
     use_audio_in_video: bool = False      # a video's audio track is heard too
+    # Prepare and prefill the prompt exactly as this request would be, then stop: one token is
+    # sampled, nothing is spoken. Its KV blocks (and, for a speaking request, the hidden rows
+    # the talker reads) stay in the prefix cache, so a later request whose prompt begins the
+    # same computes only the rest (the Realtime API's streamed input warms a turn this way).
+    prefill_only: bool = False
 
     def wants_audio(self, abilities: EngineAbilities) -> bool:
         mods = self.modalities

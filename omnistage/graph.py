@@ -101,7 +101,8 @@ class StageGraph:
                     deltas += self._fail(out.payload)
                     continue
                 for dst, msg in self.router.route(out):
-                    self._deliver(stage.name, dst, msg, deltas)
+                    if not self._deliver(stage.name, dst, msg, deltas):
+                        break          # refused downstream: the request is gone everywhere
         if not busy:
             self._wait_remote(wait_s)
         return deltas
@@ -165,7 +166,8 @@ class StageGraph:
         return [Delta(request_id, 0, "", [], finished=True, finish_reason="abort")]
 
     # ---- routing --------------------------------------------------------------------------
-    def _deliver(self, src: str, dst: str, msg: Any, deltas: list[Delta]) -> None:
+    def _deliver(self, src: str, dst: str, msg: Any, deltas: list[Delta]) -> bool:
+        """Hands `msg` to `dst`; False when a stage refused it (the request failed)."""
         if src != "<entry>" and (src, dst) not in self._allowed:
             raise RuntimeError(f"recipe routed {type(msg).__name__} along {src} -> {dst}, "
                                f"which is not a declared edge")
@@ -173,5 +175,16 @@ class StageGraph:
             deltas.append(msg)
             if msg.finished:
                 self.router.forget(msg.request_id)
-        else:
+            return True
+        try:
             self.stages[dst].add(msg)
+        except OmniStageError as e:
+            # refused on arrival, e.g. a prompt over max_model_len that only the thinker sees
+            # (after the encoders): this request fails, the engine goes on -- as a stage in
+            # another process answers (stages/worker.py)
+            if src == "<entry>":
+                self._drop(msg.request_id)
+                raise
+            deltas += self._fail(StageFailure.of(msg.request_id, e))
+            return False
+        return True

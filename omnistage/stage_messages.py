@@ -35,6 +35,13 @@ class StageFailure(msgspec.Struct):
     def refused(cls, request_id: str, error: InvalidRequestError) -> StageFailure:
         return cls(request_id, str(error), client_error=True, param=error.param)
 
+    @classmethod
+    def of(cls, request_id: str, error: OmniStageError) -> StageFailure:
+        """A stage's error on taking a request: a refusal when it is the client's mistake."""
+        if isinstance(error, InvalidRequestError):
+            return cls.refused(request_id, error)
+        return cls(request_id, str(error))
+
     def exception(self) -> OmniStageError:
         """What the caller raises: InvalidRequestError for a refusal, else StageFailedError."""
         if self.client_error:

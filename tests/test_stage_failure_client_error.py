@@ -151,6 +151,41 @@ def test_in_process_refusal_is_a_client_error():
     _check(_run(ToyStage(STAGE), ["ok", "refuse-in-step", "fail-in-step"]))
 
 
+class RelayRouter(Router):
+    """toy -> late and toy -> other -> client: `late` refuses, on arrival, the jobs whose id
+    says so (what the thinker does with a prompt over max_model_len it sees after the
+    encoders)."""
+
+    def __init__(self):
+        super().__init__()
+        self.edges = [Edge(STAGE, "late"), Edge(STAGE, "other"), Edge("late", CLIENT),
+                      Edge("other", CLIENT)]
+
+    def route(self, out: StageOutput) -> list[tuple[str, object]]:
+        rid = out.request_id
+        if out.stage == STAGE:
+            late = "refuse-on-add" if rid.startswith("refuse") else "ok"
+            return [("late", Job(rid, late)), ("other", Job(rid, "ok"))]
+        final = out.stage == "other"
+        return [(CLIENT, Delta(rid, 0, "", [], finished=final, finish_reason="stop" if final else None))]
+
+
+def test_a_refusal_downstream_fails_that_request_and_the_graph_goes_on():
+    stages = [ToyStage(STAGE), ToyStage("late"), ToyStage("other")]
+    graph = StageGraph(stages, RelayRouter())
+    for rid in ("ok", "refuse-downstream", "ok-2"):
+        graph.add_request(rid, Job(rid, "ok"))
+    finals = {}
+    for _ in range(10):                 # three hops: a few steps serve everything
+        finals.update({d.request_id: d for d in graph.step(wait_s=0) if d.finished})
+    assert set(finals) == {"ok", "refuse-downstream", "ok-2"}
+    assert finals["ok"].finish_reason == finals["ok-2"].finish_reason == "stop"
+    err = failure_error(finals["refuse-downstream"])
+    assert type(err) is InvalidRequestError and err.param == "voice"
+    # the refused job's message to `other` was never delivered: no stage holds anything
+    assert not graph.has_unfinished_requests() and all(s.num_requests() == 0 for s in stages)
+
+
 def test_stage_process_carries_client_error_and_param():
     """The spawned stage process refuses (on add and in step) without dying: the failures
     cross the channel as StageFailure, fields intact, and the process serves on."""

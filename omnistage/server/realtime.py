@@ -402,8 +402,9 @@ class RealtimeSession:
     # ---- responses --------------------------------------------------------------------------
     async def _response_create(self, event: dict) -> None:
         if self.active is not None:
-            raise RealtimeError(f"response {self.active.id} is still in progress; wait for its "
-                                "response.done or send response.cancel first", "response",
+            raise RealtimeError("Conversation already has an active response in progress: "
+                                f"{self.active.id}. Wait until the response is finished (its "
+                                "response.done) or send response.cancel first", "response",
                                 "conversation_already_has_active_response")
         body = event.get("response")
         metadata = check_metadata(body.get("metadata"), "response.metadata") if isinstance(body, dict) else None
@@ -412,9 +413,11 @@ class RealtimeSession:
 
     async def _start_response(self, cfg: SessionConfig, event_id: str | None = None,
                               metadata: dict | None = None, by_idle: bool = False) -> None:
-        if not self.conv.items:
-            raise InvalidRequestError("the conversation is empty; add an item "
-                                      "(conversation.item.create) or commit audio first")
+        if not self.conv.items and not cfg.instructions:
+            # with instructions, the answer comes from them alone (a greeting), as OpenAI's
+            raise InvalidRequestError("the conversation is empty and there are no instructions; "
+                                      "add an item (conversation.item.create), commit audio or "
+                                      "give the response instructions first")
         # the HTTP routes' bound (server/admission.py): the response holds a ticket until done
         admission = self.ws.app.state.admission
         ticket = admission.try_acquire()
@@ -431,8 +434,9 @@ class RealtimeSession:
         r = self.active
         wanted = event.get("response_id")
         if r is None or (wanted is not None and wanted != r.id):
-            raise RealtimeError("there is no such response in progress to cancel", "response_id",
-                                "response_cancel_not_active")
+            raise RealtimeError("Cancellation failed: no active response found"
+                                + (f" with id {wanted}" if wanted is not None else ""),
+                                "response_id", "response_cancel_not_active")
         await self._stop_active("client_cancelled")
 
     async def _stop_active(self, reason: str) -> None:

@@ -64,17 +64,18 @@ class Conversation:
         if kind == "conversation.item.delete":
             self.delete(item_id)
             return {"type": "conversation.item.deleted", "item_id": item_id}
-        self.truncate(item_id, event.get("content_index"), event.get("audio_end_ms"))
+        end_ms = self.truncate(item_id, event.get("content_index"), event.get("audio_end_ms"))
         return {"type": "conversation.item.truncated", "item_id": item_id,
-                "content_index": event["content_index"], "audio_end_ms": event["audio_end_ms"]}
+                "content_index": event["content_index"], "audio_end_ms": end_ms}
 
     def delete(self, item_id) -> None:
         at = self._find(item_id, "delete")
         _check_settled(self.items[at], "deleted")
         del self.items[at]
 
-    def truncate(self, item_id, content_index, audio_end_ms) -> None:
-        """Cuts an assistant item's audio part at `audio_end_ms` and deletes its transcript."""
+    def truncate(self, item_id, content_index, audio_end_ms) -> int:
+        """Cuts an assistant item's audio part at `audio_end_ms` and deletes its transcript;
+        the cut point in ms (clamped to the audio when the server already cut the item)."""
         item = self.items[self._find(item_id, "truncate")]
         if item.role != "assistant":
             raise InvalidRequestError(f"item {item_id!r} is a {item.role} message; only "
@@ -106,6 +107,7 @@ class Conversation:
                                       param="audio_end_ms")
         del part.pcm[audio_end_ms * PCM_RATE // 1000 * 2:]
         part.text = ""                 # OpenAI deletes the whole server-side transcript
+        return audio_end_ms
 
     def cut_heard(self, item_id: str, heard_ms: int) -> int | None:
         """A barge-in's truncation of an assistant item to the `heard_ms` the user can have
@@ -115,8 +117,7 @@ class Conversation:
         if at is None or self.items[at].parts[0].pcm is None:
             return None
         part = self.items[at].parts[0]
-        end_ms = min(heard_ms, len(part.pcm) // 2 * 1000 // PCM_RATE)
-        self.truncate(item_id, 0, end_ms)
+        end_ms = self.truncate(item_id, 0, min(heard_ms, len(part.pcm) // 2 * 1000 // PCM_RATE))
         self.cut_by_server.add(item_id)
         return end_ms
 

@@ -16,7 +16,7 @@ import traceback
 import msgspec
 
 from omnistage.config import EngineConfig
-from omnistage.errors import InvalidRequestError, OmniStageError
+from omnistage.errors import OmniStageError
 from omnistage.runtime.channel import Channel, PeerDeadError
 from omnistage.stage_messages import StageFailure
 from omnistage.stages.recipe import load_recipe
@@ -86,9 +86,7 @@ def _serve(channel: Channel, stage) -> None:
                 try:
                     stage.add(msg)
                 except OmniStageError as e:   # refused on arrival: fails as a refusal in step() does
-                    failure = (StageFailure.refused(msg.request_id, e) if isinstance(e, InvalidRequestError)
-                               else StageFailure(msg.request_id, str(e)))
-                    _send(channel, msg.request_id, failure, final=True)
+                    _send(channel, msg.request_id, StageFailure.of(msg.request_id, e), final=True)
             msg = channel.recv(0)
         if stage.has_work():
             for out in stage.step():

@@ -36,6 +36,7 @@ class OmniRequest(msgspec.Struct):
     thinker_params: SamplingParams
     talker_params: SamplingParams | None          # None: text only
     speaker: str = ""
+    keep_hidden: bool = False    # the thinker keeps its prompt's hidden rows (a speaking prompt)
 
 
 class EncodeJob(msgspec.Struct):

@@ -101,14 +101,17 @@ class Qwen2_5OmniPipeline(GraphPipeline):
             raise InvalidRequestError(f"unknown voice {speaker!r}; choose one of {self.speakers}",
                                       param="voice")
         talker_params = None
-        if want_audio:
+        if opts.prefill_only:
+            params = replace(params, max_tokens=1, min_tokens=0)
+        elif want_audio:
             talker_params = opts.talker_params or self.abilities.talker_defaults
             if self.codec_bos not in talker_params.suppress_token_ids:
                 talker_params = replace(talker_params, suppress_token_ids=[
                     *talker_params.suppress_token_ids, self.codec_bos])
         req = OmniRequest(request_id, pp.token_ids, pp.positions.positions, pp.positions.delta,
                           pp.talker_positions.positions if want_audio else None,
-                          pp.talker_positions.delta, pp.media, params, talker_params, speaker)
+                          pp.talker_positions.delta, pp.media, params, talker_params, speaker,
+                          keep_hidden=want_audio)
         self.graph.add_request(request_id, req)
 
     def num_waiting_requests(self) -> int:

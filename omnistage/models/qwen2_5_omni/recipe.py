@@ -42,6 +42,7 @@ class OmniSettings:
     vocoder: VocoderSettings = field(default_factory=VocoderSettings)
     limits: MediaLimits = field(default_factory=MediaLimits)
     encoder_budget: int = 16384               # audio frames + vision patches per encoder step
+    audio_cache_chunks: int = 128             # 2 s audio chunks whose encoding is kept (LRU)
 
 
 def thinker_config(model_dir: str | Path) -> Qwen2_5OmniThinkerConfig:
@@ -101,7 +102,8 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
             if kernel is not None:
                 use_native_linears(audio, kernel)
                 use_native_linears(vision, kernel)
-        return EncoderStage(name, OmniEncoders(audio.eval(), vision.eval(), dev), settings.encoder_budget)
+        encoders = OmniEncoders(audio.eval(), vision.eval(), dev, settings.audio_cache_chunks)
+        return EncoderStage(name, encoders, settings.encoder_budget)
     if name == "thinker":
         tokenizer = load_thinker_tokenizer(config)
         engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev), tokenizer,

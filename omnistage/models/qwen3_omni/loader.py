@@ -40,6 +40,12 @@ def speakers(cfg: dict) -> dict[str, int]:
     return dict(raw)
 
 
+def voice_order(voices) -> list[str]:
+    """transformers' default voice ("ethan") first -- the default here too -- then the others
+    by name."""
+    return sorted(voices, key=lambda name: (name != "ethan", name))
+
+
 def check_config(cfg: dict, where: str) -> None:
     """The parts of a Qwen3-Omni config.json that must agree, checked before any weight is
     read: ModelLoadError naming the field that does not fit."""

@@ -22,7 +22,7 @@ from omnistage.graph_pipeline import GraphPipeline
 from omnistage.layers.checkpoint import read_config
 from omnistage.models.qwen2_5_omni.rope_index import OmniLayout
 from omnistage.models.qwen2_5_omni.vision_preprocess import VisionPreprocessConfig
-from omnistage.models.qwen3_omni.loader import check_config, speakers
+from omnistage.models.qwen3_omni.loader import check_config, speakers, voice_order
 from omnistage.models.qwen3_omni.processor import (Qwen3OmniProcessor, Qwen3Prompt, TalkerLayout,
                                                    talker_positions)
 from omnistage.models.qwen3_omni.rope_index import RopeIds
@@ -61,8 +61,7 @@ class Qwen3OmniPipeline(GraphPipeline):
         audio_output = speaks(model_dir, self.settings)
         self.tokenizer = load_thinker_tokenizer(config)
         self.voices = speakers(cfg) if audio_output else {}
-        # transformers' default voice first (the default here too), then the others by name
-        self.speakers = sorted(self.voices, key=lambda name: (name != "ethan", name))
+        self.speakers = voice_order(self.voices)
         self.im_start, self.assistant = cfg["im_start_token_id"], cfg["assistant_token_id"]
         th = cfg["thinker_config"]
         self.rope = RopeIds(th["vision_start_token_id"], th["image_token_id"], th["video_token_id"],
@@ -100,7 +99,10 @@ class Qwen3OmniPipeline(GraphPipeline):
                                       param="return_hidden_states")
         params = self.resolve(pp, params)
         talker_params, speaker_id, assistant_at, t_pos, t_delta = None, -1, -1, None, 0
-        if opts.wants_audio(self.abilities):
+        speaks = opts.wants_audio(self.abilities)
+        if opts.prefill_only:
+            params = replace(params, max_tokens=1, min_tokens=0)
+        elif speaks:
             t_pos, t_delta = talker_positions(pp, self.talker_layout, self.rope)
             speaker_id = self._voice(opts.voice)
             assistant_at = self._assistant_turn(pp.token_ids)
@@ -110,7 +112,8 @@ class Qwen3OmniPipeline(GraphPipeline):
                 talker_params = replace(talker_params, suppress_token_ids=sorted(
                     {*talker_params.suppress_token_ids, *suppress}))
         req = Qwen3OmniRequest(request_id, pp.token_ids, pp.positions, pp.position_delta, pp.media,
-                               params, talker_params, speaker_id, assistant_at, t_pos, t_delta)
+                               params, talker_params, speaker_id, assistant_at, t_pos, t_delta,
+                               keep_hidden=speaks)
         self.graph.add_request(request_id, req)
 
     def _voice(self, voice: str | None) -> int:

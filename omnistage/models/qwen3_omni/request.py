@@ -21,3 +21,4 @@ class Qwen3OmniRequest(msgspec.Struct):
     assistant_at: int = -1                        # index of the last <|im_start|> assistant
     talker_mrope_positions: torch.Tensor | None = None   # (3, talker prompt length)
     talker_position_delta: int = 0
+    keep_hidden: bool = False    # the thinker exports its prompt's hidden rows (a speaking prompt)

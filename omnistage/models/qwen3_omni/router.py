@@ -86,7 +86,7 @@ class Qwen3OmniRouter:
         return ARRequest(req.request_id, req.prompt_token_ids, req.thinker_params,
                          prompt_embeds=embeds, mm_positions=positions,
                          mrope_positions=req.mrope_positions, position_delta=req.position_delta,
-                         return_hidden_states=req.talker_params is not None,
+                         return_hidden_states=req.keep_hidden,
                          deepstack=ds, deepstack_positions=ds_at)
 
     def route(self, out: StageOutput) -> list[tuple[str, object]]:

@@ -151,3 +151,30 @@ def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir):
     assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
     rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
     assert 0 < rel < 0.05, rel      # not the same numerics, but the same speech
+
+
+def test_prefill_only_warms_the_caches_and_changes_no_bit(omni_dir, local_only):
+    """The Realtime API's streamed input: the turn so far is prefilled (prefill_only) while
+    the user speaks; the final request then reuses the encoder's chunks and the thinker's
+    prefix, and answers with the very tokens and samples of a cold engine."""
+    audio = _wav(4.5, 330)                       # three 2 s encoder chunks
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": audio},
+                                             {"type": "text", "text": "Hm?"}]}]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    opts = OutputOptions(talker_params=_talker(7))
+    cold = Omni(omni_dir, linear_kernel="matmul")
+    [want] = cold.generate(messages, params, output=opts)
+    cold.close()
+
+    omni = Omni(omni_dir, linear_kernel="matmul")
+    graph = omni.engine.graph
+    encoders, thinker = graph.stages["encoder"].encoders, graph.stages["thinker"].engine
+    [warm] = omni.generate(messages, params, output=OutputOptions(talker_params=_talker(7),
+                                                                   prefill_only=True))
+    assert len(warm.token_ids) <= 1 and warm.audio is None
+    hits, hit_tokens = encoders.cache.hits, thinker.block_manager.num_prefix_hit_tokens
+    [got] = omni.generate(messages, params, output=opts)
+    omni.close()
+    assert encoders.cache.hits - hits == 3 and thinker.block_manager.num_prefix_hit_tokens > hit_tokens
+    assert got.token_ids == want.token_ids
+    np.testing.assert_array_equal(got.audio, want.audio)

@@ -27,6 +27,8 @@ from omnistage.models.qwen2_5_omni.audio_features import (
     LogMelExtractor,
     num_audio_tokens,
 )
+from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
+from omnistage.stages.encoder_cache import EncoderCache
 
 # Qwen2.5-Omni-7B's preprocessor_config.json (audio keys).
 OMNI_PREPROCESSOR = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128,
@@ -144,6 +146,46 @@ def test_audio_tower_one_call_equals_separate_calls():
     together = ours(feats)
     for f, o in zip(feats, together):
         torch.testing.assert_close(o, ours([f])[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_window", [3, 4])
+def test_encoder_chunk_cache_serves_a_grown_audio_with_the_same_bits(n_window):
+    """A Realtime turn warmed while spoken: its audio so far, then the whole. The whole's
+    chunks seen before come from the cache; the rows are the bits of a cold encode and match
+    HF's. With odd n_window pooled pairs straddle chunks: no chunking, nothing cached."""
+    hf, ours = _towers(_tower_config(n_window))
+    size = ours.chunk_frames
+    full = torch.randn(16, 3 * size + 5, generator=torch.Generator().manual_seed(2))
+    cold = OmniEncoders(ours, None, torch.device("cpu"), cache_chunks=0).encode_audio(full)
+    with torch.no_grad():
+        ref = hf(input_features=full, feature_lens=torch.tensor([full.shape[1]])).last_hidden_state
+    torch.testing.assert_close(cold, ref, atol=1e-5, rtol=1e-5)
+    enc = OmniEncoders(ours, None, torch.device("cpu"), cache_chunks=8)
+    enc.encode_audio(full[:, :2 * size + 1])           # two whole chunks and one frame
+    warm = enc.encode_audio(full)
+    assert torch.equal(warm, cold)
+    chunked = n_window % 2 == 0
+    assert (enc.cache.hits, enc.cache.misses) == ((2, 5) if chunked else (0, 0))
+
+
+def test_encoder_cache_is_a_bounded_lru():
+    cache = EncoderCache(2)
+    calls = []
+
+    def double(x):
+        calls.append(x.sum().item())
+        return x * 2
+    a, b, c = (torch.full((2,), float(v)) for v in (1, 2, 3))
+    assert torch.equal(cache.get(a, double), a * 2) and torch.equal(cache.get(a.clone(), double), a * 2)
+    cache.get(b, double)
+    cache.get(a, double)                       # a is now the most recent: c evicts b
+    cache.get(c, double)
+    cache.get(a, double)
+    cache.get(b, double)
+    assert calls == [2.0, 4.0, 6.0, 4.0] and (cache.hits, cache.misses) == (3, 4)
+    assert cache.get(a.view(2, 1), double).shape == (2, 1)     # the shape is in the key
+    with pytest.raises(ValueError):
+        EncoderCache(-1)
 
 
 def test_audio_tower_bf16_runs_close_to_fp32():
