@@ -261,6 +261,14 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "private addresses never (default: none: data: URLs only)")
     parser.add_argument("--max-media-mb", type=float, default=32.0,
                         help="largest fetched media file, in MiB (default: 32)")
+    parser.add_argument("--realtime-streamed-input", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="Realtime API: while a turn is spoken, prefill the conversation and "
+                             "the audio so far (about every second of speech, one request in "
+                             "flight per session), so that at the end of the turn only its last "
+                             "second and the answer remain to compute; the answer is the same "
+                             "either way. Costs the repeated prefill of each turn's last part "
+                             "(default: on)")
     _engine_arguments(parser)
     _omni_arguments(parser)
     _diffusion_arguments(parser)
@@ -283,7 +291,8 @@ def _server_limits(args: argparse.Namespace, model_dir: str):
                         allowed_origins=tuple(args.allowed_origins),
                         media=MediaFetchPolicy(allowed_domains=tuple(args.allowed_media_domains),
                                                max_bytes=int(args.max_media_mb * 2**20)),
-                        max_video_jobs=args.max_video_jobs)
+                        max_video_jobs=args.max_video_jobs,
+                        realtime_streamed_input=args.realtime_streamed_input)
 
 
 def _serve_run(args: argparse.Namespace) -> int:

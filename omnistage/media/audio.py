@@ -94,9 +94,15 @@ def decode_pcm16(data: bytes, *, input_rate: int = 24000, channels: int = 1,
     n = len(data) // frame_bytes
     # The length is known before any conversion: reject at once.
     _check_limit(n, input_rate, max_seconds, param)
-    pcm = np.frombuffer(data, dtype="<i2").reshape(n, channels)        # (N, C)
-    mono = pcm.astype(np.float32).mean(axis=1) / 32768.0               # (N,)
-    return _finish(mono.astype(np.float32), input_rate, sample_rate, param)
+    return _finish(pcm16_mono(data, channels), input_rate, sample_rate, param)
+
+
+def pcm16_mono(data: bytes, channels: int = 1) -> np.ndarray:
+    """Little-endian signed 16-bit PCM of whole frames -> mono float32 (N,) in [-1, 1), the
+    channels averaged (what decode_pcm16 resamples; audio streamed in pieces converts each
+    piece alike)."""
+    pcm = np.frombuffer(data, dtype="<i2").reshape(-1, channels)         # (N, C)
+    return (pcm.astype(np.float32).mean(axis=1) / 32768.0).astype(np.float32)
 
 
 def decode_base64(text: str, *, param: str = "audio") -> bytes:

@@ -55,6 +55,7 @@ class ServerLimits:
     allowed_origins: tuple[str, ...] = ()  # CORS origins; none by default
     media: MediaFetchPolicy = field(default_factory=MediaFetchPolicy)  # http(s) media: off by default
     max_video_jobs: int = 32              # video jobs remembered (oldest finished ones forgotten)
+    realtime_streamed_input: bool = True  # Realtime turns prefilled while spoken (realtime_warm)
 
 
 def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
@@ -93,7 +94,8 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     _add_text_routes(app, engine, stats, model_name, limits, check_request)
     add_audio_routes(app, engine, stats, model_name, lambda name: check_request(name, None))
     # WebSockets bypass the HTTP middleware: the route checks the key itself.
-    add_realtime_route(app, engine, model_name, api_key, limits.max_queued_requests)
+    add_realtime_route(app, engine, model_name, api_key, limits.max_queued_requests,
+                       limits.realtime_streamed_input)
     add_image_routes(app, engine, stats, model_name, check_model)
     app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
                                             limits.max_video_jobs)

@@ -46,10 +46,21 @@ from omnistage.server.realtime_events import (PCM_RATE, InputTranscription, Item
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
+from omnistage.server.realtime_warm import TurnWarmer
 from omnistage.server.transcribe import transcribe
 from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 
 log = logging.getLogger(__name__)
+
+
+WARM_SETTLE_S = 5.0     # a response waits at most this long for the turn's warm-up in flight
+
+
+def _output_options(cfg: SessionConfig, prefill_only: bool = False) -> OutputOptions:
+    """A response's engine output (a warm-up asks for the same: the same prompt)."""
+    speaks = cfg.output_modalities == ["audio"]
+    return OutputOptions(modalities=["text", "audio"] if speaks else ["text"], voice=cfg.voice,
+                         prefill_only=prefill_only)
 
 
 class _Closed(Exception):
@@ -74,7 +85,7 @@ class _Response:
 
 
 def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
-                       max_queued_requests: int) -> None:
+                       max_queued_requests: int, streamed_input: bool = True) -> None:
     silero = SileroLoader()         # one speech detector model for the server's sessions
 
     @app.websocket("/v1/realtime")
@@ -88,7 +99,8 @@ def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | Non
                 await ws.close(code=1008, reason=message[:120])
             return
         await ws.accept()
-        await RealtimeSession(ws, engine, model_name, max_queued_requests, silero).run()
+        await RealtimeSession(ws, engine, model_name, max_queued_requests, silero,
+                              streamed_input).run()
 
 
 def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
@@ -112,7 +124,7 @@ def _refusal(app, ws: WebSocket, engine, model_name: str, api_key: str | None):
 
 class RealtimeSession:
     def __init__(self, ws: WebSocket, engine, model_name: str, max_queued_requests: int,
-                 silero: SileroLoader):
+                 silero: SileroLoader, streamed_input: bool = True):
         self.ws, self.engine, self.model_name = ws, engine, model_name
         self.max_queued = max_queued_requests
         self.model = model_abilities(engine)
@@ -122,6 +134,9 @@ class RealtimeSession:
         self.buffer = InputAudioBuffer(PCM_RATE, silero)  # with a detector while turns are detected
         self._buffer_lock = asyncio.Lock()  # appends run the detector in a worker thread
         self.turn_item: str | None = None  # the item id speech_started announced
+        # streamed input: the turn in progress is prefilled while spoken (server/realtime_warm)
+        self.warmer = TurnWarmer(PCM_RATE) if streamed_input else None
+        self._warms = 0
         self._idle: asyncio.TimerHandle | None = None   # idle_timeout_ms's timer, while armed
         self._tasks: set[asyncio.Task] = set()            # the timer's work in progress
         self.active: _Response | None = None
@@ -208,6 +223,7 @@ class RealtimeSession:
         async with self._buffer_lock:
             if await asyncio.to_thread(self.buffer.set_detector, None if td is None else td.vad):
                 self.turn_item = None
+                self._end_turn()
 
     async def _append(self, event: dict) -> None:
         raw = appended_pcm(event, self.model)
@@ -219,6 +235,7 @@ class RealtimeSession:
         async with self._buffer_lock:
             edges = (await asyncio.to_thread(self.buffer.append, raw) if self.buffer.vad
                      else self.buffer.append(raw))
+        self._follow_turn(raw, began=any(ev.kind == "start" for ev, _ in edges))
         for ev, turn in edges:
             try:
                 if ev.kind == "start":
@@ -227,6 +244,49 @@ class RealtimeSession:
                     await self._speech_stopped(ev, turn)
             except InvalidRequestError as e:     # e.g. a full conversation: the next turn may fit
                 await self.send(error_json(str(e), e.param, "invalid_value", event.get("event_id")))
+        self._maybe_warm()
+
+    def _follow_turn(self, raw: bytes, began: bool) -> None:
+        """Streamed input: the appended audio joins the turn in progress (with turn detection
+        a turn begins at speech_started, which hands over its audio so far; without, at the
+        first append after a commit)."""
+        w = self.warmer
+        if w is None:
+            return
+        if self.buffer.vad is None and not w.active:
+            w.begin(bytes(self.buffer.pcm))
+        elif not began:                  # a start in this append handed over all it holds
+            w.feed(raw)
+
+    def _maybe_warm(self) -> None:
+        """A warm request, when one is due (after the append's turn edges: a turn that just
+        stopped is committed instead); never beside an answer being spoken."""
+        w = self.warmer
+        if w is not None and w.due() and self.active is None:
+            w.task = self._spawn(self._warm(w.take()))
+
+    async def _warm(self, samples) -> None:
+        """The conversation plus the turn so far, prefilled (prefill_only) to fill the caches
+        the response will read; best effort: at the request bound, or refused, it is skipped."""
+        ticket = self.ws.app.state.admission.try_acquire()
+        if ticket is None:
+            return
+        self._warms += 1
+        turn = Item("warm", "user", [Part("input_audio", audio=samples)])
+        messages = self.conv.messages(self.cfg.instructions) + [turn.message()]
+        deltas = self.engine.generate(messages, SamplingParams(max_tokens=1),
+                                      request_id=f"realtime-{self.id}-warm-{self._warms}",
+                                      output=_output_options(self.cfg, prefill_only=True))
+        try:
+            async for _ in deltas:
+                pass
+        except InvalidRequestError:
+            pass              # e.g. over the context window: the response will say so
+        except Exception as e:  # noqa: BLE001 - a failed warm-up only costs its speed-up
+            log.warning("realtime warm-up %s failed: %r", self._warms, e)
+        finally:
+            await deltas.aclose()
+            ticket.release()
 
     async def _commit(self, event: dict) -> None:
         if not self.buffer:
@@ -235,6 +295,7 @@ class RealtimeSession:
         self.turn_item = None
         async with self._buffer_lock:
             raw = self.buffer.take()
+        self._end_turn()
         await self._commit_audio(raw, new_id("item"))
 
     async def _commit_audio(self, raw: bytes, item_id: str) -> None:
@@ -247,9 +308,14 @@ class RealtimeSession:
         if self.cfg.transcription is not None:
             self._spawn(self._transcribe(item, self.cfg.transcription))
 
+    def _end_turn(self) -> None:
+        if self.warmer is not None:
+            self.warmer.end()
+
     async def _clear(self, event: dict) -> None:
         async with self._buffer_lock:
             self.buffer.take()
+        self._end_turn()
         self.turn_item = None
         await self.send({"type": "input_audio_buffer.cleared"})
 
@@ -259,6 +325,8 @@ class RealtimeSession:
         self.turn_item = new_id("item")
         await self.send({"type": "input_audio_buffer.speech_started", "item_id": self.turn_item,
                          "audio_start_ms": ev.at * 1000 // PCM_RATE})
+        if self.warmer is not None:    # the buffer starts at the turn's first sample now
+            self.warmer.begin(bytes(self.buffer.pcm[2 * max(0, ev.at - self.buffer.start):]))
         r = self.active
         if r is not None and self.cfg.turn_detection.interrupt_response:
             await self._barge_in(r)
@@ -297,11 +365,13 @@ class RealtimeSession:
             self._idle.cancel()
             self._idle = None
 
-    def _spawn(self, coro) -> None:
-        """A task of the session's own (a timer's work), kept until done; cancelled at disconnect."""
+    def _spawn(self, coro) -> asyncio.Task:
+        """A task of the session's own (a timer's work, a warm-up), kept until done; cancelled
+        at disconnect."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _idle_timeout(self, start: int) -> None:
         """The user said nothing for idle_timeout_ms: commit what the buffer holds (silence, as
@@ -313,6 +383,7 @@ class RealtimeSession:
         try:
             async with self._buffer_lock:
                 raw = self.buffer.take()
+            self._end_turn()
             await self.send({"type": "input_audio_buffer.timeout_triggered", "item_id": item_id,
                              "audio_start_ms": start * 1000 // PCM_RATE,
                              "audio_end_ms": self.buffer.end() * 1000 // PCM_RATE})
@@ -376,6 +447,7 @@ class RealtimeSession:
 
     async def _speech_stopped(self, ev: VadEvent, turn: bytes) -> None:
         item_id, self.turn_item = self.turn_item or new_id("item"), None
+        self._end_turn()
         await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item_id,
                          "audio_end_ms": ev.at * 1000 // PCM_RATE})
         await self._commit_audio(turn, item_id)
@@ -454,7 +526,7 @@ class RealtimeSession:
         """Runs one response to its response.done (completed, incomplete, cancelled, failed)."""
         speaks = r.cfg.output_modalities == ["audio"]
         params = SamplingParams(temperature=r.cfg.temperature, max_tokens=r.cfg.max_output_tokens)
-        opts = OutputOptions(modalities=["text", "audio"] if speaks else ["text"], voice=r.cfg.voice)
+        opts = _output_options(r.cfg)
         try:
             await self._run(r, messages, params, opts, speaks)
         except _Closed:
@@ -469,6 +541,8 @@ class RealtimeSession:
         try:
             await self.send({"type": "response.created",
                              "response": response_json(r.id, "in_progress", r.cfg, [], metadata=r.metadata)})
+            if self.warmer is not None:
+                await self.warmer.settle(WARM_SETTLE_S)
             deltas = self.engine.generate(messages, params, request_id=f"realtime-{r.id}",
                                           output=opts)
             try:

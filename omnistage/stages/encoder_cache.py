@@ -23,12 +23,14 @@ class EncoderCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """compute(x), or what it gave for the same bytes before."""
+    def get(self, x: torch.Tensor, compute: Callable[[torch.Tensor], torch.Tensor],
+            tag: str = "") -> torch.Tensor:
+        """compute(x), or what it gave for the same bytes (and `tag`: how compute treats
+        them, when that varies) before."""
         if self.max_entries == 0:
             self.misses += 1
             return compute(x)
-        key = _digest(x)
+        key = _digest(x, tag)
         out = self._entries.get(key)
         if out is not None:
             self._entries.move_to_end(key)
@@ -42,8 +44,8 @@ class EncoderCache:
         return out
 
 
-def _digest(x: torch.Tensor) -> bytes:
+def _digest(x: torch.Tensor, tag: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr((tuple(x.shape), str(x.dtype))).encode())
+    h.update(repr((tuple(x.shape), str(x.dtype), tag)).encode())
     h.update(x.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.digest()

@@ -162,6 +162,8 @@ class Qwen3OmniAudioEncoder(nn.Module):
         self.chunk_frames = 2 * c.n_window                                   # C
         chunk_tokens = _conv_frames(self.chunk_frames)                       # s3(C)
         self.window_tokens = chunk_tokens * (c.n_window_infer // self.chunk_frames)
+        # input frames of an attention window: the rows of whole windows depend on theirs only
+        self.window_frames = self.chunk_frames * (c.n_window_infer // self.chunk_frames)
         ch = c.downsample_hidden_size
         self.conv2d1 = nn.Conv2d(1, ch, 3, stride=2, padding=1, **kw)
         self.conv2d2 = nn.Conv2d(ch, ch, 3, stride=2, padding=1, **kw)
@@ -189,22 +191,29 @@ class Qwen3OmniAudioEncoder(nn.Module):
                                  f"got {tuple(f.shape)}")
         return [self._encode(f) for f in features]
 
-    def _encode(self, features: torch.Tensor) -> torch.Tensor:
-        """(mel, T) -> (num_audio_tokens(T), output_dim), one audio."""
+    def _encode(self, features: torch.Tensor, pad_lone_chunk: bool = False) -> torch.Tensor:
+        """(mel, T) -> (num_audio_tokens(T), output_dim), one audio (see encode_window)."""
         w = self.conv2d1.weight
         frames = features.shape[1]
-        h = self._stem(self._chunks(features.to(w.device, w.dtype)))          # (k, t, D)
+        h = self._stem(self._chunks(features.to(w.device, w.dtype), pad_lone_chunk))  # (k, t, D)
         h = h.flatten(0, 1)[:num_audio_tokens(frames, self.config.n_window)]  # (n, D)
         for layer in self.layers:
             h = layer(h, self.window_tokens)
         return self.proj2(F.gelu(self.proj1(self.ln_post(h))))                # (n, out)
 
-    def _chunks(self, features: torch.Tensor) -> torch.Tensor:
+    def encode_window(self, features: torch.Tensor, in_longer_audio: bool) -> torch.Tensor:
+        """(mel, T <= window_frames) -> its rows: one attention window of an audio, alone (the
+        audio's rows are its windows' rows joined). In an audio longer than a chunk, a window
+        of one short chunk (the audio's last) is zero-padded to C as in the whole audio's call:
+        GELU(bias) in the padding reaches its last rows."""
+        return self._encode(features, pad_lone_chunk=in_longer_audio)
+
+    def _chunks(self, features: torch.Tensor, pad_lone_chunk: bool) -> torch.Tensor:
         """(mel, T) -> (k, 1, mel, L): chunks of C frames, the last zero-padded to C; a single
-        chunk (T <= C) is kept at its own length L = T."""
+        chunk (T <= C) is kept at its own length L = T unless `pad_lone_chunk`."""
         mel, frames = features.shape
         size = self.chunk_frames
-        if frames <= size:
+        if frames <= size and not pad_lone_chunk:
             return features[None, None]                                       # (1, 1, mel, T)
         k = -(-frames // size)
         padded = F.pad(features, (0, k * size - frames))                      # (mel, k * C)

@@ -47,6 +47,7 @@ class Qwen3OmniSettings:
     code2wav: Code2WavSettings = field(default_factory=Code2WavSettings)
     limits: MediaLimits = field(default_factory=MediaLimits)
     encoder_budget: int = 16384               # audio frames + vision patches per encoder step
+    audio_cache_windows: int = 64             # audio attention windows (8 s) whose encoding is kept
 
 
 def speaks(model_dir: str | Path, settings: Qwen3OmniSettings) -> bool:
@@ -75,7 +76,8 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
         torch.set_num_threads(config.num_threads)
     cfg = read_config(model_dir)
     if name == "encoder":
-        return EncoderStage(name, _encoders(config, cfg, dtype, dev), settings.encoder_budget)
+        return EncoderStage(name, _encoders(config, cfg, dtype, dev, settings.audio_cache_windows),
+                            settings.encoder_budget)
     if name == "thinker":
         tokenizer = load_thinker_tokenizer(config)
         accept = cfg["talker_config"]["accept_hidden_layer"] if speaks(model_dir, settings) else None
@@ -93,7 +95,8 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
     raise ValueError(f"Qwen3-Omni has no stage {name!r}")
 
 
-def _encoders(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torch.device) -> Qwen3OmniEncoders:
+def _encoders(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torch.device,
+              cache_windows: int) -> Qwen3OmniEncoders:
     th, files = cfg["thinker_config"], safetensors_files(Path(config.model))
     audio = Qwen3OmniAudioEncoder(th["audio_config"], dtype, dev)
     audio.load_weights(iter_weights(files))
@@ -104,7 +107,7 @@ def _encoders(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torch.de
         if kernel is not None:   # batch-invariant rows, faster than the default BLAS path here
             use_native_linears(audio, kernel)
             use_native_linears(vision, kernel)
-    return Qwen3OmniEncoders(audio.eval(), vision.eval(), dev)
+    return Qwen3OmniEncoders(audio.eval(), vision.eval(), dev, cache_windows)
 
 
 def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torch.device) -> TalkerParts:

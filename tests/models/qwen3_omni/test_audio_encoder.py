@@ -236,3 +236,22 @@ def test_end_to_end_raw_audio(pair: Pair, padding: str):
     [ref] = pair.hf_run([hf_feats])
     [out] = pair.ours([ours_feats])
     assert max_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("frames", [37, 250, 1037, 1650])
+def test_window_cache_serves_a_grown_audio_with_the_same_bits(pair: Pair, frames: int):
+    """Encoded window by window through the encoder stage's cache: HF's rows for the audio; a
+    prefix seen before (a Realtime turn warmed while spoken) serves its whole windows, bit for
+    bit. 1650 frames: its last window is one short chunk, padded as in the whole call."""
+    from omnistage.models.qwen3_omni.encoders import Qwen3OmniEncoders
+
+    x = features(frames, seed=frames + 5)
+    [ref] = pair.hf_run([x])
+    cold = Qwen3OmniEncoders(pair.ours, None, torch.device("cpu"), cache_windows=0).encode_audio(x)
+    assert max_err(cold, ref) < ATOL
+    enc = Qwen3OmniEncoders(pair.ours, None, torch.device("cpu"), cache_windows=16)
+    size = pair.ours.window_frames
+    enc.encode_audio(x[:, :max(1, frames - 20)])
+    assert torch.equal(enc.encode_audio(x), cold)
+    whole_windows_before = (frames - 20) // size if frames > 20 else 0
+    assert enc.cache.hits == whole_windows_before
