@@ -273,7 +273,7 @@ def _setting(args, bases: dict, seconds: float, n: int, mode: str, report: dict)
         line = "  ".join(f"{k} {v}" for k, v in medians.items())
         if len(names) == 2 and medians[names[0]] and medians[names[1]]:
             line += f"  ratio {names[1]}/{names[0]} {medians[names[1]] / medians[names[0]]:.2f}"
-        print(f"  median {key[:-7]} {seconds:.0f}s N={n} {mode}: {line}", flush=True)
+        print(f"  median {key.removesuffix('_p50_s')} {seconds:.0f}s N={n} {mode}: {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -199,6 +199,7 @@ def _add_text_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
                      limits: ServerLimits, check_request) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        body.refuse_unserved()
         params = body.to_sampling_params()
         check_request(body.model, params.max_tokens)
         speech = output_options(engine, body)

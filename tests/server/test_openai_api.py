@@ -61,6 +61,12 @@ def test_n_and_logprobs(client):
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
 
 
+def test_neutral_values_of_unserved_fields_are_taken(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tools=[],
+                                         tool_choice="none", response_format={"type": "text"})
+    assert out.choices[0].message.content is not None
+
+
 def test_completions_and_models(client):
     resp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6,
                                      temperature=0, extra_body={"ignore_eos": True})
@@ -95,6 +101,12 @@ def test_async_client_concurrent_streams(server, api_key):
     ({"model": "nope"}, "model"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": []}, "messages"),
+    # OpenAI fields not served are refused, never silently dropped
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"messages": [{"role": "tool", "tool_call_id": "c", "content": "42"}]}, "messages[0]"),
 ])
 def test_bad_requests_are_400(client, kwargs, param):
     args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **kwargs}
