@@ -6,6 +6,8 @@ pace (a microphone: a 100 ms append when its 100 ms have been spoken), then:
 - vad: keep streaming silence; the server's VAD (server_vad, silence_duration_ms as given)
   ends the turn and answers. Its silence window is reported apart: `delay_s` counts from the end
   of speech, `after_stop_s` from speech_stopped's arrival.
+- bargein: as vad, but spoken over a long answer to a text turn once its audio plays:
+  `cancel_s` is speech_started -> that answer's response.done (cancelled).
 Per session it also plays the answer back as a client would (from the first delta, gap-free
 if every delta arrives before the audio before it has played out) and reports the playback
 gaps: the seconds a listener would hear nothing mid-answer.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import os
 import statistics
@@ -53,6 +56,7 @@ class SessionResult:
                                           # encoding and prefill left at commit
     after_stop_s: float | None = None     # speech_stopped (vad) -> first output audio delta
     stop_s: float | None = None           # end of speech -> speech_stopped arrives (vad)
+    cancel_s: float | None = None         # bargein: speech_started -> the cut answer's response.done
     audio_s: float = 0.0                  # answer audio received
     gaps: list[float] = field(default_factory=list)   # playback stalls, seconds each
     status: str | None = None
@@ -111,8 +115,9 @@ async def session(base: str, model: str, speech: bytes, mode: str, silence_ms: i
             "type": "realtime", "output_modalities": ["audio"], "temperature": 0,
             "max_output_tokens": max_tokens, "audio": {"input": {"turn_detection": td}}}}))
         marks: dict[str, float] = {}
+        cut = await asyncio.wait_for(_answer_playing(ws), timeout_s) if mode == "bargein" else None
         first_audio = asyncio.get_running_loop().create_future()
-        reader = asyncio.create_task(_read(ws, res, marks, first_audio))
+        reader = asyncio.create_task(_read(ws, res, marks, first_audio, cut))
         try:
             await asyncio.wait_for(_speak(ws, speech, mode, marks, first_audio), timeout_s)
             await asyncio.wait_for(reader, timeout_s)
@@ -125,6 +130,8 @@ async def session(base: str, model: str, speech: bytes, mode: str, silence_ms: i
         res.delay_s = marks["first_audio"] - end
         if mode == "manual" and "first_text" in marks:
             res.first_text_s = marks["first_text"] - end
+        if "started" in marks and "cancelled" in marks:
+            res.cancel_s = marks["cancelled"] - marks["started"]
         if "stopped" in marks:
             res.after_stop_s = marks["first_audio"] - marks["stopped"]
             res.stop_s = marks["stopped"] - end
@@ -142,7 +149,7 @@ async def _speak(ws, speech: bytes, mode: str, marks: dict, first_audio) -> None
         await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                   "audio": base64.b64encode(speech[i * step:(i + 1) * step]).decode()}))
     marks["speech_end"] = time.monotonic()
-    if mode == "manual":
+    if mode == "manual":          # (vad and bargein: the server's VAD ends the turn)
         await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         await ws.send(json.dumps({"type": "response.create"}))
         return
@@ -154,12 +161,36 @@ async def _speak(ws, speech: bytes, mode: str, marks: dict, first_audio) -> None
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
 
 
-async def _read(ws, res: SessionResult, marks: dict, first_audio) -> None:
+async def _answer_playing(ws) -> str:
+    """bargein: a long spoken answer to a text turn, read up to its first audio; its id."""
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "Tell me a long story about the sea."}]}}))
+    await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 2000}}))
+    async for raw in ws:
+        ev = json.loads(raw)
+        if ev.get("type") == "response.output_audio.delta":
+            return ev["response_id"]
+        if ev.get("type") == "response.done":
+            raise RuntimeError(f"the answer to interrupt ended first: {ev['response']['status']}")
+    raise RuntimeError("the server closed the session")
+
+
+async def _read(ws, res: SessionResult, marks: dict, first_audio, cut: str | None) -> None:
+    """Server events until the turn's response is done; `cut`: the answer a barge-in
+    interrupts (its events are not the turn's, its response.done marks the cancel)."""
     arrivals = []
     async for raw in ws:
         ev, now = json.loads(raw), time.monotonic()
         kind = ev.get("type")
-        if kind == "input_audio_buffer.speech_stopped":
+        if cut is not None and ev.get("response_id", ev.get("response", {}).get("id")) == cut:
+            if kind == "response.done":
+                marks["cancelled"] = now
+                res.error = None if ev["response"]["status"] == "cancelled" else "not cancelled"
+            continue
+        if kind == "input_audio_buffer.speech_started":
+            marks.setdefault("started", now)
+        elif kind == "input_audio_buffer.speech_stopped":
             marks.setdefault("stopped", now)
         elif kind == "response.output_audio_transcript.delta":
             marks.setdefault("first_text", now)
@@ -180,8 +211,12 @@ async def _read(ws, res: SessionResult, marks: dict, first_audio) -> None:
         first_audio.set_result(None)
 
 
-async def one_run(base: str, args, seconds: float, n: int, mode: str) -> list[SessionResult]:
-    speeches = [pcm16(utterance(seconds, first=k).audio) for k in range(n)]
+async def one_run(base: str, args, seconds: float, n: int, mode: str,
+                  take: int) -> list[SessionResult]:
+    """N sessions at once. Each `take` (a run's number) scales the speech by an inaudible
+    1 - take/1000: its bytes differ from every earlier run's, so no cache (encoder chunks,
+    prefix blocks) serves one run from another's audio -- only from its own turn."""
+    speeches = [pcm16(utterance(seconds, first=k).audio * (1 - take / 1000)) for k in range(n)]
     return await asyncio.gather(*(session(base, args.served_name, s, mode, args.silence_ms,
                                           args.max_tokens, seconds + 120) for s in speeches))
 
@@ -189,10 +224,12 @@ async def one_run(base: str, args, seconds: float, n: int, mode: str) -> list[Se
 def summarize(results: list[SessionResult]) -> dict:
     delays = [r.delay_s for r in results if r.delay_s is not None]
     after = [r.after_stop_s for r in results if r.after_stop_s is not None]
+    cancels = [r.cancel_s for r in results if r.cancel_s is not None]
     first_text = [r.first_text_s for r in results if r.first_text_s is not None]
     return {"delay_p50_s": _median(delays), "delay_max_s": max(delays) if delays else None,
             "first_text_p50_s": _median(first_text),
             "after_stop_p50_s": _median(after),
+            "cancel_p50_s": _median(cancels), "cancel_max_s": max(cancels) if cancels else None,
             "sessions_with_gaps": sum(1 for r in results if r.gaps),
             "gap_total_s": round(sum(sum(r.gaps) for r in results), 3),
             "errors": [r.error for r in results if r.error]}
@@ -211,7 +248,8 @@ def main() -> None:
                         "space-separated; default: streamed input on, then off)")
     p.add_argument("--lengths", default="2,6,15", help="utterance seconds")
     p.add_argument("--sessions", default="1,4,8")
-    p.add_argument("--modes", default="manual,vad")
+    p.add_argument("--modes", default="manual,vad",
+                   help="manual, vad, bargein (vad, the turn spoken over a long answer)")
     p.add_argument("--silence-ms", type=int, default=500, help="server_vad silence_duration_ms")
     p.add_argument("--max-tokens", type=int, default=48, help="answer length bound (tokens)")
     p.add_argument("--repeats", type=int, default=2)
@@ -220,6 +258,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args()
     args.served_name = args.served_name or args.model
+    args.takes = itertools.count()
     variants = [v.split("=", 1) for v in args.servers.split(";")]
     report = {"model": args.model, "runs": [], "cpu": os.cpu_count()}
     with other_load(report):
@@ -255,7 +294,7 @@ def _setting(args, bases: dict, seconds: float, n: int, mode: str, report: dict)
     per: dict[str, list[dict]] = {name: [] for name in bases}
     for rep in range(args.repeats):
         for name, base in bases.items():                 # interleaved: A B A B
-            results = asyncio.run(one_run(base, args, seconds, n, mode))
+            results = asyncio.run(one_run(base, args, seconds, n, mode, next(args.takes)))
             s = summarize(results)
             per[name].append(s)
             row = {"variant": name, "seconds": seconds, "sessions": n, "mode": mode,
@@ -263,7 +302,7 @@ def _setting(args, bases: dict, seconds: float, n: int, mode: str, report: dict)
             report["runs"].append(row)
             print(f"{name:>10} {seconds:4.0f}s N={n} {mode:6} run {rep}: delay p50 "
                   f"{s['delay_p50_s']} max {s['delay_max_s']} first-text {s['first_text_p50_s']} "
-                  f"after-stop {s['after_stop_p50_s']} "
+                  f"after-stop {s['after_stop_p50_s']} cancel {s['cancel_p50_s']} "
                   f"gaps {s['sessions_with_gaps']}/{n} ({s['gap_total_s']} s) "
                   f"{'errors ' + str(s['errors']) if s['errors'] else ''}", flush=True)
     for key in ("delay_p50_s", "first_text_p50_s"):

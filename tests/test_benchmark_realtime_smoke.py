@@ -1,5 +1,5 @@
 """Keeps benchmarks/realtime_latency.py from rotting: the whole script (two served variants,
-streamed input on and off, manual and VAD turns over the real WebSocket) on the tiny
+streamed input on and off, manual and VAD turns and a barge-in over the real WebSocket) on the tiny
 Qwen2.5-Omni with a 2 s utterance, and its playback-gap logic on made-up arrivals."""
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ def test_script_on_tiny_model(tmp_path):
     out = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.realtime_latency", "--model", "tiny:qwen2_5_omni:tiny",
-         "--lengths", "2", "--sessions", "1", "--modes", "manual,vad", "--repeats", "1",
+         "--lengths", "2", "--sessions", "1", "--modes", "manual,vad,bargein", "--repeats", "1",
          "--max-tokens", "4", "--port", "0", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == json.loads(out.read_text())
     runs = {(r["variant"], r["mode"]): r for r in report["runs"]}
-    assert set(runs) == {(v, m) for v in ("streamed", "plain") for m in ("manual", "vad")}
+    assert set(runs) == {(v, m) for v in ("streamed", "plain") for m in ("manual", "vad", "bargein")}
     for (variant, mode), r in runs.items():
         assert not r["errors"], (variant, mode, r["errors"])
         [detail] = r["sessions_detail"]
@@ -45,3 +45,7 @@ def test_script_on_tiny_model(tmp_path):
             assert 0 < r["first_text_p50_s"] <= r["delay_p50_s"]
         else:           # the VAD's silence window comes first: the stop, then the answer
             assert detail["stop_s"] > 0 and 0 < detail["after_stop_s"] <= detail["delay_s"]
+        if mode == "bargein":   # the long answer was cut once the speech started
+            assert detail["cancel_s"] is not None and detail["cancel_s"] >= 0
+        else:
+            assert detail["cancel_s"] is None

@@ -493,6 +493,8 @@ class RealtimeSession:
         # the HTTP routes' bound (server/admission.py): the response holds a ticket until done
         admission = self.ws.app.state.admission
         ticket = admission.try_acquire()
+        if ticket is None and self.warmer is not None and await self.warmer.stop():
+            ticket = admission.try_acquire()      # a warm-up never costs a response its seat
         if ticket is None:
             await self.send(error_json(admission.refusal_message(), code="rate_limit_exceeded",
                                        kind="rate_limit_error", event_id=event_id))

@@ -77,6 +77,15 @@ class TurnWarmer:
         self._warmed = self._num_samples
         return self._samples[0].copy()
 
+    async def stop(self) -> bool:
+        """Cancels the warm request in flight (its seat is wanted); True if there was one."""
+        task = self.task
+        if task is None or task.done():
+            return False
+        task.cancel()
+        await asyncio.wait([task])
+        return True
+
     async def settle(self, timeout_s: float) -> None:
         """Waits (bounded) for the warm request in flight: the response then reuses all of its
         work instead of computing the same prefix beside it."""

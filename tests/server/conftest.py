@@ -85,6 +85,24 @@ def omni_server(tiny_omni):
 
 
 @pytest.fixture(scope="session")
+def long_answer_server(tiny_omni, tmp_path_factory):
+    """A tiny Qwen2.5-Omni server whose every spoken answer lasts 8 s (the talker's 400 codes,
+    min = max): a barge-in always meets an answer still streaming, however short the random
+    model's text (frameworks' defaults sample it: its length varies run to run)."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("long-answer") / "omni"
+    shutil.copytree(tiny_omni, folder)
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen.update(talker_min_new_tokens=400, talker_max_new_tokens=400)
+    gen_path.write_text(json.dumps(gen))
+    with running_server(str(folder), "--linear-kernel", "matmul") as running:
+        yield running.base
+
+
+@pytest.fixture(scope="session")
 def start_server():
     """`with start_server(model_dir, *flags) as running:` (running.base, running.proc) for tests
     that need a server of their own."""

@@ -272,9 +272,9 @@ async def _greeting(base: str, api_key: str) -> None:
 
 # ---- (3) a barge-in -----------------------------------------------------------------------------
 
-def test_barge_in_interrupts_the_streaming_answer_and_the_next_turn_is_answered(omni_server,
-                                                                               api_key):
-    _run(_barge_in(omni_server, api_key))
+def test_barge_in_interrupts_the_streaming_answer_and_the_next_turn_is_answered(
+        long_answer_server, api_key):
+    _run(_barge_in(long_answer_server, api_key))
 
 
 async def _barge_in(base: str, api_key: str) -> None:
@@ -294,9 +294,7 @@ async def _barge_in(base: str, api_key: str) -> None:
         await _push(sess, _speech(3, lead_s=0.1, tail_s=1.5), frame_ms=100, pace=4)
         k_started, _ = await rec.until("input_audio_buffer.speech_started", since=mark)
         k_done, done = await rec.until("response.done")
-        if k_done < k_started:
-            pytest.fail("the answer ended before the barge-in speech was detected (the "
-                        "machine was too slow for this check, not a protocol failure)")
+        assert k_started < k_done          # an 8 s answer (long_answer_server) outlasts it
         assert done["response"]["id"] == gen.response_id
         assert done["response"]["status"] == "cancelled"
         assert done["response"]["status_details"]["reason"] == "turn_detected"

@@ -80,6 +80,20 @@ def _answer(events) -> tuple[str, bytes, int]:
     return text, audio, done.usage.output_tokens
 
 
+def _response(conn, deadline_s: float = 120) -> list:
+    """Events up to the response's response.done; an error event fails at once."""
+    events, end = [], time.monotonic() + deadline_s
+    while not events or events[-1].type != "response.done":
+        left = end - time.monotonic()
+        assert left > 0, f"no response.done within {deadline_s} s: {[e.type for e in events]}"
+        try:
+            events.append(conn.parse_event(conn._connection.recv(timeout=left, decode=False)))
+        except TimeoutError:
+            continue                 # the assert above reports it
+        assert events[-1].type != "error", events[-1].error
+    return events
+
+
 def _turns(client, turns: list[tuple[bytes, int]], vad: bool,
            pace: float | None) -> list[tuple[str, bytes, int]]:
     """One session; each (pcm, piece_ms) is a user turn, answered in audio (8 text tokens)."""
@@ -95,7 +109,7 @@ def _turns(client, turns: list[tuple[bytes, int]], vad: bool,
             if not vad:
                 conn.input_audio_buffer.commit()
                 conn.response.create()
-            out.append(_answer(_until(conn, "response.done", 120)))
+            out.append(_answer(_response(conn)))
     return out
 
 
@@ -124,3 +138,15 @@ def test_streamed_turns_cut_by_server_vad_answer_the_same(servers):
     off = _turns(clients["off"], turns, vad=True, pace=None)
     assert [(t, n) for t, _, n in on] == [(t, n) for t, _, n in off]
     assert all(a[1] and a[1] == b[1] for a, b in zip(on, off))
+
+
+def test_a_warm_up_never_costs_a_response_its_seat(tiny_omni, start_server, api_key):
+    """One seat, no waiting line: the warm-up in flight at commit (1 s pieces: each append
+    brings a second of new speech, so one is due at every append) gives its seat up to the
+    response instead of the response getting rate_limit_exceeded."""
+    with start_server(tiny_omni, "--max-num-seqs", "1", "--max-queued-requests", "0") as s:
+        client = openai.OpenAI(base_url=f"{s.base}/v1", api_key=api_key, max_retries=0,
+                               timeout=60)
+        speech = pcm16(utterance(4, first=1).audio)
+        answers = _turns(client, [(speech, 1000)] * 3, vad=False, pace=None)
+    assert len(answers) == 3 and all(audio for _, audio, _ in answers)
