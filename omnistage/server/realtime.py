@@ -46,7 +46,7 @@ from omnistage.server.realtime_events import (PCM_RATE, InputTranscription, Item
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
-from omnistage.server.realtime_warm import TurnWarmer
+from omnistage.server.realtime_warm import TurnWarmer, warm_up
 from omnistage.server.transcribe import transcribe
 from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 
@@ -263,30 +263,13 @@ class RealtimeSession:
         stopped is committed instead); never beside an answer being spoken."""
         w = self.warmer
         if w is not None and w.due() and self.active is None:
-            w.task = self._spawn(self._warm(w.take()))
-
-    async def _warm(self, samples) -> None:
-        """The conversation plus the turn so far, prefilled (prefill_only) to fill the caches
-        the response will read; best effort: at the request bound, or refused, it is skipped."""
-        ticket = self.ws.app.state.admission.try_acquire()
-        if ticket is None:
-            return
-        self._warms += 1
-        turn = Item("warm", "user", [Part("input_audio", audio=samples)])
-        messages = self.conv.messages(self.cfg.instructions) + [turn.message()]
-        deltas = self.engine.generate(messages, SamplingParams(max_tokens=1),
-                                      request_id=f"realtime-{self.id}-warm-{self._warms}",
-                                      output=_output_options(self.cfg, prefill_only=True))
-        try:
-            async for _ in deltas:
-                pass
-        except InvalidRequestError:
-            pass              # e.g. over the context window: the response will say so
-        except Exception as e:  # noqa: BLE001 - a failed warm-up only costs its speed-up
-            log.warning("realtime warm-up %s failed: %r", self._warms, e)
-        finally:
-            await deltas.aclose()
-            ticket.release()
+            self._warms += 1
+            turn = Item("warm", "user", [Part("input_audio", audio=w.take())])
+            w.task = self._spawn(warm_up(
+                self.engine, self.ws.app.state.admission,
+                self.conv.messages(self.cfg.instructions) + [turn.message()],
+                _output_options(self.cfg, prefill_only=True),
+                f"realtime-{self.id}-warm-{self._warms}"))
 
     async def _commit(self, event: dict) -> None:
         if not self.buffer:

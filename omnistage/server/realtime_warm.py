@@ -21,10 +21,16 @@ with streamed input off (tests/server/test_realtime_streamed.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 
+from omnistage.engine_api import OutputOptions
+from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import StreamResampler, pcm16_mono
+from omnistage.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 WARM_EVERY_S = 1.0      # new speech between warm requests: each costs a prefill of the new part
 MODEL_RATE = 16000      # what the audio encoders hear
@@ -92,3 +98,25 @@ class TurnWarmer:
         task = self.task
         if task is not None and not task.done():
             await asyncio.wait([task], timeout=timeout_s)
+
+
+async def warm_up(engine, admission, messages: list[dict], opts: OutputOptions,
+                  request_id: str) -> None:
+    """The conversation plus the turn so far, prefilled (`opts.prefill_only`) to fill the caches
+    the response will read. Best effort: at the request bound, or refused (e.g. over the
+    context window: the response will say so), it is skipped."""
+    ticket = admission.try_acquire()
+    if ticket is None:
+        return
+    deltas = engine.generate(messages, SamplingParams(max_tokens=1), request_id=request_id,
+                             output=opts)
+    try:
+        async for _ in deltas:
+            pass
+    except InvalidRequestError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a failed warm-up only costs its speed-up
+        log.warning("realtime warm-up %s failed: %r", request_id, e)
+    finally:
+        await deltas.aclose()
+        ticket.release()
