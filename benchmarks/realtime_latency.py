@@ -38,12 +38,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-import httpx
 import numpy as np
 from websockets.asyncio.client import connect
 
 from benchmarks.espeak import RATE, pcm16, utterance
 from benchmarks.machine import other_load
+from benchmarks.serve_process import free_port, stop, wait_healthy
 
 CHUNK_S = 0.1
 API_KEY = "bench-key"
@@ -71,25 +71,10 @@ def served(model: str, port: int, flags: list[str]):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready within 300 s")
-            time.sleep(0.5)       # a process start has no event to wait on
+        wait_healthy(proc, base, 300, lambda: proc.stderr.read()[-2000:], poll_s=0.5)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 30)
 
 
 def playback_gaps(arrivals: list[tuple[float, float]]) -> list[float]:
@@ -281,13 +266,7 @@ def _run_all(args, variants: list[list[str]], report: dict) -> None:
 
 
 def _port(first: int, i: int) -> int:
-    if first:
-        return first + i
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return first + i if first else free_port()
 
 
 def _setting(args, bases: dict, seconds: float, n: int, mode: str, report: dict) -> None:

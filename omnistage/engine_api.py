@@ -10,7 +10,7 @@ finished, or `abort_request`. What an engine can do beyond text is declared in i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Protocol, runtime_checkable
 
 from omnistage.errors import InvalidRequestError
@@ -55,6 +55,10 @@ class OutputOptions:
     # the talker reads) stay in the prefix cache, so a later request whose prompt begins the
     # same computes only the rest (the Realtime API's streamed input warms a turn this way).
     prefill_only: bool = False
+
+    def text_params(self, params: SamplingParams) -> SamplingParams:
+        """The text sampling this request runs with: one token when it only prefills."""
+        return replace(params, max_tokens=1, min_tokens=0) if self.prefill_only else params
 
     def wants_audio(self, abilities: EngineAbilities) -> bool:
         mods = self.modalities

@@ -3,8 +3,6 @@ by an LLMEngine (`self.llm`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from omnistage.config import EngineConfig
 from omnistage.engine_api import EngineAbilities, OutputOptions
 from omnistage.entrypoints.prompts import ParsedPrompt, parse_prompt
@@ -45,9 +43,8 @@ class TextEngine:
 
     def add_request(self, request_id: str, prepared: ParsedPrompt, params: SamplingParams,
                     opts: OutputOptions, return_hidden_states: bool = False) -> None:
-        if opts.prefill_only:
-            params = replace(params, max_tokens=1, min_tokens=0)
-        self.llm.add_request(request_id, prepared.token_ids, params, prompt_embeds=prepared.embeds,
+        self.llm.add_request(request_id, prepared.token_ids, opts.text_params(params),
+                             prompt_embeds=prepared.embeds,
                              return_hidden_states=return_hidden_states)
 
     def step(self) -> list[Delta]:

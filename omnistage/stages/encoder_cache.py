@@ -43,6 +43,13 @@ class EncoderCache:
             self._entries.popitem(last=False)
         return out
 
+    def pieces(self, x: torch.Tensor, size: int, compute: Callable[[torch.Tensor], torch.Tensor],
+               tag: str = "") -> torch.Tensor:
+        """(..., T) -> compute() of each `size`-long piece along the last axis (the last one
+        shorter), through the cache, joined along the first axis of the outputs."""
+        return torch.cat([self.get(x[..., s:s + size], compute, tag)
+                          for s in range(0, x.shape[-1], size)])
+
 
 def _digest(x: torch.Tensor, tag: str) -> bytes:
     h = hashlib.blake2b(digest_size=16)

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
-import httpx
 import pytest
 
+from benchmarks.serve_process import free_port, stop, wait_healthy
+
 API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -35,7 +28,7 @@ def running_server(model_dir: str, *extra_args: str, key_args: tuple[str, ...] =
     `key_args` give the key (default `--api-key API_KEY`), `env` adds environment variables;
     with `log_level` info the process's output (proc.stdout, read once it stopped) has the
     access log."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "omnistage.cli", "serve", model_dir, "--port", str(port),
          "--served-model-name", "tiny", *key_args, "--block-size", "4",
@@ -43,27 +36,11 @@ def running_server(model_dir: str, *extra_args: str, key_args: tuple[str, ...] =
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
-            try:
-                if httpx.get(f"{base}/health", headers={"Authorization": f"Bearer {API_KEY}"},
-                             timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy within 60 s")
-            time.sleep(0.2)
+        wait_healthy(proc, base, 60, proc.stdout.read)
         yield ServerProcess(base, proc)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc, 15)
 
 
 @pytest.fixture(scope="session")

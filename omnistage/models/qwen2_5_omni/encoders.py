@@ -68,6 +68,4 @@ class OmniEncoders:
         size = self.audio.chunk_frames
         if size % 4:
             return self.audio([features])[0]
-        rows = [self.cache.get(features[:, s:s + size], lambda c: self.audio([c])[0])
-                for s in range(0, features.shape[1], size)]
-        return torch.cat(rows)
+        return self.cache.pieces(features, size, lambda c: self.audio([c])[0])

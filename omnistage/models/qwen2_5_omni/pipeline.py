@@ -100,10 +100,8 @@ class Qwen2_5OmniPipeline(GraphPipeline):
         if want_audio and speaker not in self.speakers:
             raise InvalidRequestError(f"unknown voice {speaker!r}; choose one of {self.speakers}",
                                       param="voice")
-        talker_params = None
-        if opts.prefill_only:
-            params = replace(params, max_tokens=1, min_tokens=0)
-        elif want_audio:
+        talker_params, params = None, opts.text_params(params)
+        if want_audio and not opts.prefill_only:
             talker_params = opts.talker_params or self.abilities.talker_defaults
             if self.codec_bos not in talker_params.suppress_token_ids:
                 talker_params = replace(talker_params, suppress_token_ids=[

@@ -45,9 +45,6 @@ class Qwen3OmniEncoders:
         of whole chunks) at a time, through the cache. Convolutions stay inside a chunk and
         attention inside a window, so the audio's rows are its windows' rows joined (a window
         is computed alone either way: its bits do not depend on a hit)."""
-        size, frames = self.audio.window_frames, features.shape[1]
-        longer = frames > self.audio.chunk_frames
+        longer = features.shape[1] > self.audio.chunk_frames
         encode = partial(self.audio.encode_window, in_longer_audio=longer)
-        rows = [self.cache.get(features[:, s:s + size], encode, tag=f"in_longer={longer}")
-                for s in range(0, frames, size)]
-        return torch.cat(rows)
+        return self.cache.pieces(features, self.audio.window_frames, encode, tag=f"in_longer={longer}")

@@ -99,10 +99,8 @@ class Qwen3OmniPipeline(GraphPipeline):
                                       param="return_hidden_states")
         params = self.resolve(pp, params)
         talker_params, speaker_id, assistant_at, t_pos, t_delta = None, -1, -1, None, 0
-        speaks = opts.wants_audio(self.abilities)
-        if opts.prefill_only:
-            params = replace(params, max_tokens=1, min_tokens=0)
-        elif speaks:
+        speaks, params = opts.wants_audio(self.abilities), opts.text_params(params)
+        if speaks and not opts.prefill_only:
             t_pos, t_delta = talker_positions(pp, self.talker_layout, self.rope)
             speaker_id = self._voice(opts.voice)
             assistant_at = self._assistant_turn(pp.token_ids)
