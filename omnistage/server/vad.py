@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from omnistage.media.audio import StreamResampler
+from omnistage.media.audio import StreamResampler, pcm16_mono
 from omnistage.media.silero import RATE as MODEL_RATE
 from omnistage.media.silero import WINDOW, SileroState, SileroVadModel, load_silero
 from omnistage.server.turn_detection import VadConfig
@@ -97,9 +97,8 @@ class SileroVad:
         pending = self._done - self._run * self.frame     # onset of a run not yet long enough
         return max(self.origin, pending - self.padding)
 
-    def feed(self, pcm: bytes | np.ndarray) -> list[VadEvent]:
-        samples = np.frombuffer(pcm, dtype="<i2") if isinstance(pcm, bytes) else pcm
-        x = self._resampler.feed(samples.astype(np.float32) / 32768.0)
+    def feed(self, pcm: bytes) -> list[VadEvent]:
+        x = self._resampler.feed(pcm16_mono(pcm))
         self._pending = np.concatenate([self._pending, x])
         n = self._pending.size // WINDOW
         windows = self._pending[:n * WINDOW].reshape(n, WINDOW)
