@@ -162,6 +162,15 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="attention: the native CPU kernels (fp32, compiled on first use with the "
                         "machine's C compiler) or plain PyTorch (default: auto: native where "
                         "they build)")
+    g.add_argument("--quantization", default="none", choices=["none", "bf16", "int8", "int4"],
+                   help="how linear layers store their weights on CPU (native kernel; activations "
+                        "stay float32): bf16 (half the bytes, rounding error ~0.4%% per weight), "
+                        "int8 (a quarter; one scale per output channel), int4 (an eighth; one "
+                        "scale per --quantization-group-size inputs). Quantized once at load from "
+                        "the checkpoint. Default: none (float32)")
+    g.add_argument("--quantization-group-size", type=int, default=64,
+                   help="inputs sharing one int4 scale (default: 64; smaller: more accurate, "
+                        "more scale bytes)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 

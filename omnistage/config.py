@@ -10,6 +10,8 @@ import torch
 from omnistage.errors import InvalidRequestError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# quantization option -> how the native kernel stores linear weights (kernels/weight_pack.py)
+WEIGHT_FORMATS = {"none": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}
 
 
 @dataclass
@@ -29,6 +31,8 @@ class EngineConfig:
     num_threads: int | None = None        # torch CPU threads; default: torch's choice
     linear_kernel: str = "auto"           # auto (native on CPU fp32 when it builds, else onednn) | native | onednn | matmul
     attention_kernel: str = "auto"        # auto (native on CPU fp32 when it builds) | native | torch
+    quantization: str = "none"            # none | bf16 | int8 | int4: linear weights, native kernel (CPU)
+    quantization_group_size: int = 64     # inputs per int4 scale
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -47,6 +51,14 @@ class EngineConfig:
             raise bad("linear_kernel", f"must be auto, native, onednn or matmul; got {self.linear_kernel!r}")
         if self.attention_kernel not in ("auto", "native", "torch"):
             raise bad("attention_kernel", f"must be auto, native or torch; got {self.attention_kernel!r}")
+        if self.quantization not in WEIGHT_FORMATS:
+            raise bad("quantization", f"must be one of {', '.join(WEIGHT_FORMATS)}; got {self.quantization!r}")
+        if not isinstance(self.quantization_group_size, int) or self.quantization_group_size < 1:
+            raise bad("quantization_group_size",
+                      f"must be a positive integer, got {self.quantization_group_size!r}")
+        if self.quantization != "none" and self.linear_kernel in ("onednn", "matmul"):
+            raise bad("quantization", f"={self.quantization} runs on the native linear kernel; "
+                      f"linear_kernel={self.linear_kernel} reads float weights (use auto or native)")
         if not self.kv_cache_memory_gb > 0:
             raise bad("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
         try:

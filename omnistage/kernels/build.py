@@ -63,14 +63,15 @@ def compiler() -> str:
     return cc
 
 
-def build_library(source: Path, defines: dict[str, int]) -> Path:
-    """The path of `source` compiled with `-D NAME=VALUE` for each of `defines`."""
+def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] = ()) -> Path:
+    """The path of `source` compiled with `-D NAME=VALUE` for each of `defines`, and the
+    compiler `flags` after ours (e.g. -mno-avx512f: code for CPUs without AVX-512)."""
     cc = compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
-    args = [*FLAGS, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    args = [*FLAGS, *flags, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\0".join([source.read_text(), *args, version, _cpu_flags()]).encode())
     out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if _loadable(out):

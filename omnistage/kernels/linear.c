@@ -1,26 +1,37 @@
-/* y = x W^T (+ bias) in float32 over weights packed in 64-column panels: the linear layers
- * of our LLM stages on CPU, for one row (a single-stream decode) as for thousands (prefill).
+/* y = x W^T (+ bias) with float32 activations over weights packed in 64-column panels: the
+ * linear layers of our stages on CPU, for one row (a single-stream decode) as for thousands
+ * (prefill). Four weight formats share one layout and one tile:
+ *   f32   float32
+ *   bf16  bfloat16, widened to float32 in registers (a shift: exact)
+ *   i8    int8 with one float32 scale per output column (symmetric, weight-only)
+ *   i4    4-bit with one float32 scale per (group of `group` inputs, output column)
+ *         (symmetric like GGUF's q4_0: w = (u - 8) * scale, u in 0..15)
  *
- * Layout: the (N, K) weight is cut into ceil(N/64) panels of 64 output columns; panel j is
- * stored as K rows of 64 floats (P[j][k][c] = W[64j + c][k], zero past N). One layout serves
- * both regimes:
+ * Layout: the (N, K) weight is cut into ceil(N/64) panels of 64 output columns; panel j holds
+ * K rows of 64 weights (P[j][k][c] = W[64j + c][k], zero past N). An i4 panel row is 32 bytes:
+ * byte c holds column c in its low nibble and column c + 32 in its high one. Scales are per
+ * panel too (zero past N): i8 (num_panels, 64), i4 (num_panels, ceil(K / group), 64).
+ * One layout serves both regimes:
  * - one row reads every panel front to back, one sequential stream per thread: a
- *   matrix-vector product at memory speed (oneDNN's packed layout streams ~20% slower for
- *   one row on the CPUs we serve from, and each of its calls costs ~10 us more);
- * - many rows run a 6 x 64 register tile (24 accumulators) over a panel kept in L2: as fast
- *   as oneDNN's GEMM here (~480 GFLOP/s on two Zen 5 cores).
+ *   matrix-vector product at memory speed; narrower weights are fewer bytes to stream;
+ * - many rows run a 6 x 64 register tile (24 accumulators) over a panel kept in L2; the
+ *   widening / dequantizing of a panel row is paid once for the 6 rows.
  *
  * Batch invariance: every output element is one chain of fused multiply-adds over k = 0..K-1
- * in order, then + bias, whatever the number of rows, the tile it falls in or the threads. A
- * row's result is therefore bit-identical alone or inside any batch, so a request's tokens do
- * not depend on what it is batched with (the build passes -ffp-contract=fast, so `acc += a*b`
- * is one FMA everywhere).
+ * in order (with the weight as dequantized in registers: exact for f32 and bf16, (u - 8) * s
+ * rounded once for i4), then * column scale (i8) and + bias in one FMA, whatever the number
+ * of rows, the tile it falls in or the threads. A row's result is therefore bit-identical alone
+ * or inside any batch, so a request's tokens do not depend on what it is batched with (the build
+ * passes -ffp-contract=fast, so `acc += a*b` is one FMA everywhere).
  *
  * Threads: OpenMP over (panel, tile) work items, torch's runtime (see paged_attention.c). */
 
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #define PANEL 64                   /* output columns per panel */
 /* A tile computes 4 vectors of columns (4 * LANES) for MR rows at most: 4 * MR accumulators
@@ -28,8 +39,10 @@
  * panel, 6 rows (24 + 4 of 32 registers). Without it (AVX2: 16 registers of 8 lanes): a panel
  * is two column blocks, 3 rows a tile (12 + 4 + the broadcast; measured on 2 Zen cores: 93
  * GFLOP/s, 83 at 2 rows, 85-100% of torch's GEMM; one row 20-40% faster than torch). 16-lane
- * vectors there were split in pairs and spilled: one row at 9 GB/s against torch's 27. */
-#if defined(__AVX512F__)
+ * vectors there were split in pairs and spilled: one row at 9 GB/s against torch's 27.
+ * OMNISTAGE_NO_AVX512 (defined by the build when asked) takes the narrow path on any CPU, so
+ * it is built and tested on machines that have AVX-512 too. */
+#if defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
 #define LANES 16
 #define MR 6
 #else
@@ -38,12 +51,65 @@
 #endif
 #define BLOCK (4 * LANES)          /* columns a tile computes */
 #define BLOCKS (PANEL / BLOCK)     /* column blocks per panel: 1 (AVX-512) or 2 */
-#define PREFETCH 8                 /* panel rows ahead, for the streaming (1-2 row) tiles */
+#define PREFETCH_BYTES 2048        /* how far ahead the streaming (1-2 row) tiles prefetch */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef int8_t vb __attribute__((vector_size(LANES)));
+typedef uint8_t vub __attribute__((vector_size(LANES)));
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* The LANES weights of columns c..c+LANES of one panel row, as float32. `s`, `o`: the
+ * columns' group scale and -8 * scale (i4 only). */
+typedef float f32_t;
+typedef uint16_t bf16_t;
+typedef int8_t i8_t;
+typedef uint8_t i4_t;
+#define f32_ROW PANEL              /* elements per panel row */
+#define bf16_ROW PANEL
+#define i8_ROW PANEL
+#define i4_ROW (PANEL / 2)
+static inline vf w_f32(const f32_t *row, int c, vf s, vf o) {
+    (void)s; (void)o; return load(row + c);
+}
+static inline vf w_bf16(const bf16_t *row, int c, vf s, vf o) {
+    (void)s; (void)o;
+    vh h; memcpy(&h, row + c, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;      /* bf16 is float32's upper half */
+    vf f; memcpy(&f, &u, sizeof f); return f;
+}
+/* 8-bit lanes widened to int32: GCC 12 converts byte vectors lane by lane (int8 at 16 lanes,
+ * uint8 at 8; 4x slower than the weights stream), so x86 says the one instruction it means. */
+static inline vi widen_i8(const i8_t *p) {
+#if LANES == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif LANES == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vb q; memcpy(&q, p, sizeof q); return __builtin_convertvector(q, vi);
+#endif
+}
+static inline vf w_i8(const i8_t *row, int c, vf s, vf o) {
+    (void)s; (void)o; return __builtin_convertvector(widen_i8(row + c), vf);
+}
+static inline vi widen_u8(const i4_t *p) {
+#if LANES == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif LANES == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vub q; memcpy(&q, p, sizeof q); return __builtin_convertvector(q, vi);
+#endif
+}
+static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
+    vi q = widen_u8(row + c % 32);
+    q = c >= 32 ? q >> 4 : q & 15;
+    return __builtin_convertvector(q, vf) * s + o;    /* one FMA: (u - 8) * s rounded once */
+}
 
 #define REP1(X) X(0)
 #define REP2(X) REP1(X) X(1)
@@ -56,69 +122,94 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 #define DECL(m) vf c##m##0 = {}, c##m##1 = {}, c##m##2 = {}, c##m##3 = {};
 #define FMA(m) { const vf a = (vf){} + x[(m) * ldx + k]; \
     c##m##0 += a * b0; c##m##1 += a * b1; c##m##2 += a * b2; c##m##3 += a * b3; }
-#define PUT(m) store(y + (m) * ldy, c##m##0 + d0); store(y + (m) * ldy + LANES, c##m##1 + d1); \
-    store(y + (m) * ldy + 2 * LANES, c##m##2 + d2); store(y + (m) * ldy + 3 * LANES, c##m##3 + d3);
+#define PUT(m) store(y + (m) * ldy, c##m##0 * e0 + d0); \
+    store(y + (m) * ldy + LANES, c##m##1 * e1 + d1); \
+    store(y + (m) * ldy + 2 * LANES, c##m##2 * e2 + d2); \
+    store(y + (m) * ldy + 3 * LANES, c##m##3 * e3 + d3);
+#define LOAD4(v, src, c) v##0 = load((src) + (c)); v##1 = load((src) + (c) + LANES); \
+    v##2 = load((src) + (c) + 2 * LANES); v##3 = load((src) + (c) + 3 * LANES);
 
-/* y[0..R) x [0..64) = x[0..R) . panel (+ bias[0..64)); R rows of x at stride ldx. */
-#define TILE(R, PF) \
-static void tile##R(const float *restrict x, int64_t ldx, const float *restrict p, int64_t K, \
-                    const float *restrict bias, float *restrict y, int64_t ldy) { \
+/* Rows [0..R) x columns [cb..cb+BLOCK) of one panel: y = x . panel, * column scale (cs, or
+ * NULL), + bias (or NULL); R rows of x at stride ldx; group scales gs (i4) or NULL, with
+ * groups of G inputs (G = K when there are none). y points at column cb of row 0. */
+#define TILE(W, R, PF) \
+static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
+                        int64_t K, int64_t G, const float *restrict gs, const float *restrict cs, \
+                        const float *restrict bias, float *restrict y, int64_t ldy, int cb) { \
     REP##R(DECL) \
-    for (int64_t k = 0; k < K; k++) { \
-        const float *row = p + k * PANEL; \
-        if (PF) { __builtin_prefetch(row + PREFETCH * PANEL); \
-                  __builtin_prefetch(row + PREFETCH * PANEL + 2 * LANES); } \
-        const vf b0 = load(row), b1 = load(row + LANES), b2 = load(row + 2 * LANES), \
-                 b3 = load(row + 3 * LANES); \
-        REP##R(FMA) \
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) { \
+        vf s0 = {}, s1 = {}, s2 = {}, s3 = {}, o0 = {}, o1 = {}, o2 = {}, o3 = {}; \
+        if (gs != NULL) { LOAD4(s, gs + g * PANEL, cb) \
+                          o0 = -8.0f * s0; o1 = -8.0f * s1; o2 = -8.0f * s2; o3 = -8.0f * s3; } \
+        const int64_t k1 = k0 + G < K ? k0 + G : K; \
+        for (int64_t k = k0; k < k1; k++) { \
+            const W##_t *row = p + k * W##_ROW; \
+            if (PF) __builtin_prefetch((const char *)row + PREFETCH_BYTES); \
+            if (PF && W##_ROW * sizeof(W##_t) > 128) \
+                __builtin_prefetch((const char *)row + PREFETCH_BYTES + 128); \
+            const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1), \
+                     b2 = w_##W(row, cb + 2 * LANES, s2, o2), \
+                     b3 = w_##W(row, cb + 3 * LANES, s3, o3); \
+            REP##R(FMA) \
+        } \
     } \
-    vf d0 = {}, d1 = {}, d2 = {}, d3 = {}; \
-    if (bias != NULL) { d0 = load(bias); d1 = load(bias + LANES); d2 = load(bias + 2 * LANES); \
-                        d3 = load(bias + 3 * LANES); } \
+    vf d0 = {}, d1 = {}, d2 = {}, d3 = {}, e0 = {}, e1 = {}, e2 = {}, e3 = {}; \
+    e0 += 1.0f; e1 += 1.0f; e2 += 1.0f; e3 += 1.0f; \
+    if (cs != NULL) { LOAD4(e, cs, cb) } \
+    if (bias != NULL) { LOAD4(d, bias, cb) } \
     REP##R(PUT) \
 }
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *,
-                        int64_t);
+#define TILE_FN(W) typedef void (*tile_##W##_fn)(const float *, int64_t, const W##_t *, int64_t, \
+    int64_t, const float *, const float *, const float *, float *, int64_t, int);
 #if MR == 6
-TILE(1, 1) TILE(2, 1) TILE(3, 0) TILE(4, 0) TILE(5, 0) TILE(6, 0)
-static const tile_fn TILES[MR + 1] = {NULL, tile1, tile2, tile3, tile4, tile5, tile6};
+#define TILES(W) TILE_FN(W) TILE(W, 1, 1) TILE(W, 2, 1) TILE(W, 3, 0) TILE(W, 4, 0) \
+    TILE(W, 5, 0) TILE(W, 6, 0) \
+    static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3, \
+                                                    tile_##W##4, tile_##W##5, tile_##W##6};
 #else
-TILE(1, 1) TILE(2, 1) TILE(3, 0)
-static const tile_fn TILES[MR + 1] = {NULL, tile1, tile2, tile3};
+#define TILES(W) TILE_FN(W) TILE(W, 1, 1) TILE(W, 2, 1) TILE(W, 3, 0) \
+    static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
 #endif
 
-/* The R rows of one panel, block by block (a block's panel rows sit at stride PANEL). */
-static void panel_rows(int rows, const float *xs, int64_t ldx, const float *p, int64_t k,
-                       const float *bias, float *y, int64_t ldy) {
-    for (int b = 0; b < BLOCKS; b++)
-        TILES[rows](xs, ldx, p + b * BLOCK, k, bias != NULL ? bias + b * BLOCK : NULL,
-                    y + b * BLOCK, ldy);
+/* x (M, K) rows at stride ldx; panels, group scales (i4: groups of `group` inputs) and column
+ * scales (i8) as above, NULL where the format has none; bias (N) or NULL; y (M, N) rows at
+ * stride ldy. Work items panel-major: a thread's consecutive items share a panel, which stays
+ * in L2 while the tiles of x stream past it. The last, partial panel is computed whole into
+ * scratch (its padding columns are zeros, its bias padded), then its real columns are kept:
+ * the same arithmetic per element as a full panel. */
+#define LINEAR(W) TILES(W) \
+void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *gscales, \
+                int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy, \
+                int64_t m, int64_t n, int64_t k) { \
+    const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + MR - 1) / MR; \
+    const int64_t G = gscales != NULL ? group : (k > 0 ? k : 1), groups = (k + G - 1) / G; \
+    _Pragma("omp parallel for schedule(static)") \
+    for (int64_t item = 0; item < num_panels * tiles; item++) { \
+        const int64_t j = item / tiles, m0 = item % tiles * MR, n0 = j * PANEL; \
+        const int rows = m - m0 < MR ? (int)(m - m0) : MR; \
+        const W##_t *p = panels + j * k * W##_ROW; \
+        const float *gs = gscales != NULL ? gscales + j * groups * PANEL : NULL; \
+        const float *cs = cscales != NULL ? cscales + n0 : NULL, *xs = x + m0 * ldx; \
+        const int full = n0 + PANEL <= n; \
+        float scratch[MR * PANEL], padded_bias[PANEL]; \
+        const float *b = bias != NULL ? bias + n0 : NULL; \
+        if (!full && bias != NULL) { \
+            memset(padded_bias, 0, sizeof padded_bias); \
+            memcpy(padded_bias, bias + n0, (size_t)(n - n0) * sizeof(float)); \
+            b = padded_bias; \
+        } \
+        float *out = full ? y + m0 * ldy + n0 : scratch; \
+        const int64_t ldo = full ? ldy : PANEL; \
+        for (int cb = 0; cb < PANEL; cb += BLOCK) \
+            TILES_##W[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, ldo, cb); \
+        if (!full) \
+            for (int r = 0; r < rows; r++) \
+                memcpy(y + (m0 + r) * ldy + n0, scratch + r * PANEL, \
+                       (size_t)(n - n0) * sizeof(float)); \
+    } \
 }
 
-/* x (M, K) rows at stride ldx; panels as above; bias (N) or NULL; y (M, N) rows at stride
- * ldy. */
-void linear_f32(const float *x, int64_t ldx, const float *panels, const float *bias, float *y,
-                int64_t ldy, int64_t m, int64_t n, int64_t k) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + MR - 1) / MR;
-    /* Work items panel-major: a thread's consecutive items share a panel, which stays in L2
-     * while the tiles of x stream past it. */
-    #pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < num_panels * tiles; item++) {
-        const int64_t j = item / tiles, m0 = item % tiles * MR;
-        const int rows = m - m0 < MR ? (int)(m - m0) : MR;
-        const int64_t n0 = j * PANEL;
-        const float *p = panels + j * k * PANEL, *xs = x + m0 * ldx;
-        if (n0 + PANEL <= n) {
-            panel_rows(rows, xs, ldx, p, k, bias != NULL ? bias + n0 : NULL, y + m0 * ldy + n0, ldy);
-            continue;
-        }
-        /* The last, partial panel: computed whole into scratch (its padding columns are
-         * zeros), then the real columns are kept, with the same arithmetic per element. */
-        float scratch[MR * PANEL];
-        panel_rows(rows, xs, ldx, p, k, NULL, scratch, PANEL);
-        for (int r = 0; r < rows; r++)
-            for (int64_t c = 0; c < n - n0; c++)
-                y[(m0 + r) * ldy + n0 + c] = scratch[r * PANEL + c]
-                                             + (bias != NULL ? bias[n0 + c] : 0.0f);
-    }
-}
+LINEAR(f32)
+LINEAR(bf16)
+LINEAR(i8)
+LINEAR(i4)

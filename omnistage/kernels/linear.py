@@ -1,26 +1,31 @@
 """Linear layers as native calls over weights packed in 64-column panels (linear.c): one
 layout that streams at memory speed for a single row and runs a register-tiled GEMM for many,
-with every row's result independent of the batch around it."""
+with every row's result independent of the batch around it. Weights are float32, bfloat16,
+int8 or int4 (weight_pack.py); activations and results float32."""
 
 from __future__ import annotations
 
 import ctypes
+import platform
 from pathlib import Path
 
 import torch
 
 from omnistage.kernels.build import build_library, pick_native
+from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
-PANEL = 64  # output columns per panel (linear.c)
+_SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
+            "int4": "linear_i4"}
+_X86 = ("x86_64", "amd64", "i386", "i686")
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot serve these weights (None: it can)."""
+    """Why the kernel cannot serve a layer computing in `dtype` on `device` (None: it can)."""
     if device.type != "cpu":
         return f"it runs on CPUs (the weights are on {device})"
     if dtype != torch.float32:
-        return f"it reads float32 weights (these are {str(dtype).removeprefix('torch.')})"
+        return f"it computes in float32 (this model in {str(dtype).removeprefix('torch.')})"
     return None
 
 
@@ -33,40 +38,49 @@ def native_linear_kernel(want: str, device: torch.device, dtype: torch.dtype
 
 
 class NativeLinearKernel:
-    """The compiled kernel; shape-free, so one serves every layer of a model."""
+    """The compiled kernel; shape-free, so one serves every layer of a model.
 
-    def __init__(self):
-        lib = ctypes.CDLL(str(build_library(SOURCE, {})))
+    wide_vectors=False builds the AVX2-width path (8 lanes, 3-row tiles) even on a CPU with
+    AVX-512: the path CPUs without it take, so it is tested everywhere."""
+
+    def __init__(self, wide_vectors: bool = True):
+        defines, flags = {}, ()
+        if not wide_vectors:
+            defines = {"OMNISTAGE_NO_AVX512": 1}
+            # On x86 the compiler must not use AVX-512 anywhere either (it would, for
+            # -march=native, in the 8-lane code too).
+            flags = ("-mno-avx512f",) if platform.machine().lower() in _X86 else ()
+        lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._linear = lib.linear_f32
-        self._linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64]
-        self._linear.restype = None
+        self._fns = {}
+        for fmt, name in _SYMBOLS.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64]
+            fn.restype = None
+            self._fns[fmt] = fn
 
     @staticmethod
-    def pack(weight_t: torch.Tensor) -> torch.Tensor:
-        """(in, out) weight -> (ceil(out / 64), in, 64) panels, zero-padded past `out`."""
-        k, n = weight_t.shape
-        assert weight_t.dtype == torch.float32
-        if n % PANEL == 0 and weight_t.is_contiguous():   # no padded copy (a real lm_head is GBs)
-            return weight_t.view(k, -1, PANEL).transpose(0, 1).contiguous()
-        padded = weight_t.new_zeros(k, -(-n // PANEL) * PANEL)
-        padded[:, :n] = weight_t
-        return padded.view(k, -1, PANEL).transpose(0, 1).contiguous()
+    def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWeight:
+        """(in, out) weight -> the kernel's panels in `fmt` (weight_pack.pack)."""
+        return pack(weight_t, fmt)
 
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor:
-        """x (..., in) -> (..., out_features). `panels` come from `pack`; bias: (out_features,)
-        contiguous or None. Called ~50 times per decode step: checks stay minimal."""
-        k = panels.shape[1]
+    def __call__(self, x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., in) float32 -> (..., out). bias: (out,) float32 contiguous or None. Called
+        ~50 times per decode step: checks stay minimal."""
+        k, n = w.in_features, w.out_features
         if x.dim() != 2 or not x.is_contiguous():
-            return self(x.reshape(-1, k).contiguous(), panels, bias, out_features).view(
-                *x.shape[:-1], out_features)
+            return self(x.reshape(-1, k).contiguous(), w, bias).view(*x.shape[:-1], n)
         m = x.shape[0]
         # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
         if x.shape[1] != k or x.dtype != torch.float32:
             raise ValueError(f"native linear: input {tuple(x.shape)} {x.dtype}, weight in_features {k}")
-        y = torch.empty(m, out_features, dtype=torch.float32)
+        y = torch.empty(m, n, dtype=torch.float32)
         if m:
-            self._linear(x.data_ptr(), k, panels.data_ptr(), bias if bias is None else bias.data_ptr(),
-                         y.data_ptr(), out_features, m, out_features, k)
+            self._fns[w.format](x.data_ptr(), k, w.panels.data_ptr(), _ptr(w.group_scales),
+                                w.group_size, _ptr(w.column_scales), _ptr(bias), y.data_ptr(),
+                                n, m, n, k)
         return y
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

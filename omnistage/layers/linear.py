@@ -13,8 +13,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from omnistage.kernels.linear import (NativeLinearKernel,
+from omnistage.config import WEIGHT_FORMATS, EngineConfig
+from omnistage.errors import InvalidRequestError
+from omnistage.kernels.linear import (NativeLinearKernel, native_linear_kernel,
                                       unsupported_reason as native_linear_unsupported)
+from omnistage.kernels.weight_pack import PackedWeight, WeightFormat
 from omnistage.layers.onednn import pack_weight, packed_linear
 
 
@@ -22,10 +25,11 @@ class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias). `shard_sizes` splits the output columns into merged parts
     (e.g. q, k, v) that are loaded from separate checkpoint tensors.
 
-    After loading, the weight may move into a CPU kernel's own layout (fp32; `pack`):
-    - `native`: 64-column panels for our kernel (omnistage/kernels/linear.c). It is as fast
-      as oneDNN for many rows, streams ~20% faster for one (a single-stream decode), and
-      gives every row the same bits whatever batch it is in.
+    After loading, the weight may move into a CPU kernel's own layout (`pack`):
+    - `native`: 64-column panels for our kernel (omnistage/kernels/linear.c), in float32,
+      bfloat16, int8 or int4 (the engine's `quantization`). It is as fast as oneDNN for many
+      rows, streams ~20% faster for one (a single-stream decode), and gives every row the
+      same bits whatever batch it is in.
     - `onednn`: oneDNN's blocked layout. Its fp32 GEMM uses AVX-512 where the default BLAS
       path stays on AVX2, 2-3x faster on the CPUs we serve from (measured: ~450 vs ~190
       GFLOP/s on two Zen cores, and 35 vs 21 GB/s for a matrix-vector product).
@@ -42,7 +46,7 @@ class TransposedLinear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out, dtype=dtype, device=device), requires_grad=False)
                      if bias else None)
         self.packed: torch.Tensor | None = None   # oneDNN-blocked (out, in) weight, if packed
-        self.panels: torch.Tensor | None = None   # native kernel's (ceil(out/64), in, 64), if packed
+        self.panels: PackedWeight | None = None   # the native kernel's panels, if packed
         self.native: NativeLinearKernel | None = None
 
     def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
@@ -56,18 +60,19 @@ class TransposedLinear(nn.Module):
         _check_shape(b, (size,))
         self.bias[off:off + size].copy_(b)
 
-    def pack(self, kernel: NativeLinearKernel | None) -> None:
-        """Move the weight into `kernel`'s panels (None: oneDNN's layout); drop the plain copy."""
+    def pack(self, kernel: NativeLinearKernel | None, fmt: WeightFormat = WeightFormat()) -> None:
+        """Move the weight into `kernel`'s panels in `fmt` (kernel None: oneDNN's float32
+        layout); drop the plain copy."""
         if kernel is not None:
             assert self.bias is None or self.bias.is_contiguous()
-            self.native, self.panels = kernel, kernel.pack(self.weight_t)
+            self.native, self.panels = kernel, kernel.pack(self.weight_t, fmt)
         else:
             self.packed = pack_weight(self.weight_t.t())          # (out, in)
         self.weight_t = nn.Parameter(torch.empty(0, dtype=self.weight_t.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
-            return self.native(x, self.panels, self.bias, self.out_features)
+            return self.native(x, self.panels, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if self.bias is None:
@@ -75,31 +80,33 @@ class TransposedLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def pack_linears(model: nn.Module, kernel: NativeLinearKernel | None) -> int:
-    """Pack every TransposedLinear of `model` for `kernel` (None: oneDNN); returns how many."""
+def pack_linears(model: nn.Module, kernel: NativeLinearKernel | None,
+                 fmt: WeightFormat = WeightFormat()) -> int:
+    """Pack every TransposedLinear of `model` for `kernel` in `fmt` (kernel None: oneDNN);
+    returns how many."""
     linears = [m for m in model.modules() if isinstance(m, TransposedLinear)]
     for m in linears:
-        m.pack(kernel)
+        m.pack(kernel, fmt)
     return len(linears)
 
 
 class NativeLinear(nn.Module):
-    """An `nn.Linear` whose weight lives in the native kernel's panels (fp32 CPU): the GEMM of
-    omnistage/kernels/linear.c, ~2.5x the default BLAS path on AVX-512 CPUs, with every row's
-    result independent of the other rows in the call."""
+    """An `nn.Linear` whose weight lives in the native kernel's panels (fp32 CPU compute, the
+    weight in `fmt`): the GEMM of omnistage/kernels/linear.c, ~2.5x the default BLAS path on
+    AVX-512 CPUs, with every row's result independent of the other rows in the call."""
 
-    def __init__(self, linear: nn.Linear, kernel: NativeLinearKernel):
+    def __init__(self, linear: nn.Linear, kernel: NativeLinearKernel, fmt: WeightFormat = WeightFormat()):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
-        self.panels = kernel.pack(linear.weight.detach().t())
+        self.panels = kernel.pack(linear.weight.detach().t(), fmt)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # Models read `.weight.dtype` / `.device` of their layers: an empty stand-in answers
         # those; anything that needs the values fails loudly.
         self.register_buffer("weight", linear.weight.new_empty(0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.panels, self.bias, self.out_features)
+        return self.kernel(x, self.panels, self.bias)
 
 
 def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
@@ -114,10 +121,41 @@ def replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module],
     return len(targets)
 
 
-def use_native_linears(model: nn.Module, kernel: NativeLinearKernel) -> int:
-    """Replace every fp32 CPU `nn.Linear` of `model` by a NativeLinear; returns how many."""
-    return replace_linears(model, lambda m: NativeLinear(m, kernel),
+def use_native_linears(model: nn.Module, kernel: NativeLinearKernel,
+                       fmt: WeightFormat = WeightFormat()) -> int:
+    """Replace every fp32 CPU `nn.Linear` of `model` by a NativeLinear with its weight in
+    `fmt`; returns how many."""
+    return replace_linears(model, lambda m: NativeLinear(m, kernel, fmt),
                            lambda m: native_linear_unsupported(m.weight.device, m.weight.dtype) is None)
+
+
+def weight_format(config: EngineConfig) -> WeightFormat:
+    """How the native kernel stores the linear weights for `config.quantization`."""
+    return WeightFormat(WEIGHT_FORMATS[config.quantization], config.quantization_group_size)
+
+
+def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                       *modules: nn.Module) -> bool:
+    """Where `linear_kernel` allows it (auto, native) and the kernel serves, swap every
+    nn.Linear of `modules` for a NativeLinear in the config's weight format (`quantization`);
+    returns whether it did. A quantization the kernel cannot serve here is an error."""
+    if config.linear_kernel not in ("auto", "native"):
+        return False
+    kernel, why = native_linear_kernel(config.linear_kernel, device, dtype)
+    if kernel is None:
+        if config.quantization != "none":
+            raise unserved_quantization(config, why)
+        return False
+    for module in modules:
+        use_native_linears(module, kernel, weight_format(config))
+    return True
+
+
+def unserved_quantization(config: EngineConfig, why: str) -> InvalidRequestError:
+    """The error for a `quantization` the native kernel cannot serve (`why`): such weights
+    exist only in its layout."""
+    return InvalidRequestError(f"quantization={config.quantization} needs the native linear "
+                               f"kernel, which cannot serve here: {why}", param="quantization")
 
 
 def _check_shape(t: torch.Tensor, shape: tuple[int, ...]) -> None:

@@ -14,7 +14,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.kernels.build import pick_native
 from omnistage.kernels.linear import native_linear_kernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
-from omnistage.layers.linear import pack_linears
+from omnistage.layers.linear import pack_linears, unserved_quantization, weight_format
 from omnistage.layers.onednn import onednn_linear_available
 from omnistage.llm.model_runner import ModelRunner
 
@@ -35,7 +35,7 @@ class KVCacheConfig:
 class RunnerSetup:
     runner: ModelRunner
     kv_cache: KVCacheConfig
-    linear_kernel: str       # native | onednn | matmul: what the linear layers run on
+    linear_kernel: str       # native [bf16|int8|int4] | onednn | matmul: what the linear layers run on
     attention_kernel: str    # native | torch
 
 
@@ -56,14 +56,16 @@ def choose_linear_kernel(config: EngineConfig, model: torch.nn.Module, device: t
                          dtype: torch.dtype) -> str:
     """Ours where it serves and builds, else oneDNN's packed GEMM where it serves, else
     matmul. An explicit choice that cannot serve is an error."""
-    want = config.linear_kernel
+    want, fmt = config.linear_kernel, weight_format(config)
     if want == "matmul":
         return "matmul"
     if want in ("auto", "native"):
         kernel, why = native_linear_kernel(want, device, dtype)
         if kernel is not None:
-            pack_linears(model, kernel)
-            return "native"
+            pack_linears(model, kernel, fmt)
+            return "native" if config.quantization == "none" else f"native {config.quantization}"
+        if config.quantization != "none":   # such weights exist only in the native layout
+            raise unserved_quantization(config, why)
         log.info("linear layers without the native kernel: %s", why)
     if onednn_linear_available(device, dtype):
         pack_linears(model, None)

@@ -13,6 +13,7 @@ from omnistage import Omni, SamplingParams
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import NativeLinearKernel, unsupported_reason
+from omnistage.kernels.weight_pack import WeightFormat, pack
 from omnistage.layers.linear import use_native_linears
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
@@ -23,6 +24,14 @@ def kernel(c_compiler) -> NativeLinearKernel:
     return NativeLinearKernel()
 
 
+@pytest.fixture(scope="module")
+def narrow_kernel(c_compiler) -> NativeLinearKernel:
+    """The path of CPUs without AVX-512 (8 lanes, 3-row tiles), built here too."""
+    return NativeLinearKernel(wide_vectors=False)
+
+
+FORMATS = [WeightFormat("float32"), WeightFormat("bfloat16"), WeightFormat("int8"),
+           WeightFormat("int4", 32), WeightFormat("int4", 7)]
 # (rows, out, in): one row (the decode path), every tile height 1-6 and their mixes, partial
 # last panels (out not a multiple of 64), odd inner sizes.
 SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 100, 64),
@@ -31,47 +40,80 @@ SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 1
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_product(kernel, m, n, k, bias):
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
+def test_matches_float64_product(kernel, narrow_kernel, m, n, k, bias, fmt):
+    """The product of x and the weights as the format stores them (dequantized), within
+    float32 summation error; the AVX2-width path gives the same bits (each output is the same
+    chain of FMAs in either)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w_t = torch.randn(k, n, generator=g)                 # (in, out), as TransposedLinear keeps it
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
-    panels = kernel.pack(w_t)
-    assert panels.shape == (-(-n // 64), k, 64)
-    got = kernel(x, panels, b, n)
-    ref = x.double() @ w_t.double() + (b.double() if bias else 0)
+    packed = kernel.pack(w_t, fmt)
+    assert packed.panels.shape[:2] == (-(-n // 64), k)
+    got = kernel(x, packed, b)
+    ref = x.double() @ packed.dequantize().double() + (b.double() if bias else 0)
     assert got.shape == (m, n) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), ref, atol=1e-5 * k ** 0.5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), ref, atol=2e-5 * k ** 0.5, rtol=1e-5)
+    assert torch.equal(narrow_kernel(x, packed, b), got)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
+def test_quantization_error_is_bounded(fmt):
+    """Each stored weight is within the format's rounding of the original: bf16 half an ulp
+    (2^-8 relative), int8 half a column scale, int4 half a group scale (one scale on the
+    clamped side: +8 scales is stored as +7)."""
+    g = torch.Generator().manual_seed(3)
+    w_t = torch.randn(150, 100, generator=g) * torch.rand(1, 100, generator=g) * 3
+    w_t[:, 7] = 0                                                  # an all-zero column
+    packed = pack(w_t, fmt)
+    err = (packed.dequantize() - w_t).abs()
+    assert packed.dequantize()[:, 7].abs().max() == 0
+    if fmt.name == "float32":
+        assert err.max() == 0
+    elif fmt.name == "bfloat16":
+        assert (err <= w_t.abs() * 2 ** -8).all()
+    elif fmt.name == "int8":
+        assert (err <= w_t.abs().amax(0) / 127 / 2 * 1.001 + 1e-7).all()
+    else:
+        groups = -(-150 // fmt.group_size)
+        padded = torch.nn.functional.pad(w_t, (0, 0, 0, groups * fmt.group_size - 150))
+        scale = padded.view(groups, fmt.group_size, 100).abs().amax(1) / 8     # (groups, out)
+        bound = scale.repeat_interleave(fmt.group_size, 0)[:150] * 1.001 + 1e-7
+        assert (err <= bound).all()
+    assert packed.nbytes < w_t.numel() * 4 * {"float32": 1.3, "bfloat16": 0.65, "int8": 0.35,
+                                                "int4": 0.25 if fmt.group_size > 8 else 0.9}[fmt.name]
 
 
 def test_inputs_of_other_layouts(kernel):
     """Leading dimensions are kept; strided inputs are made contiguous first."""
     g = torch.Generator().manual_seed(1)
     w_t = torch.randn(40, 70, generator=g)
-    panels = kernel.pack(w_t)
+    packed = kernel.pack(w_t)
     x = torch.randn(3, 5, 80, generator=g)[..., ::2]           # (3, 5, 40), stride 2
-    got = kernel(x, panels, None, 70)
+    got = kernel(x, packed, None)
     assert got.shape == (3, 5, 70)
     torch.testing.assert_close(got, x @ w_t, atol=1e-4, rtol=1e-5)
-    assert kernel(torch.empty(0, 40), panels, None, 70).shape == (0, 70)
+    assert kernel(torch.empty(0, 40), packed, None).shape == (0, 70)
     with pytest.raises(ValueError, match="in_features"):
-        kernel(torch.randn(2, 41), panels, None, 70)
+        kernel(torch.randn(2, 41), packed, None)
 
 
-def test_rows_are_batch_invariant(kernel):
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
+def test_rows_are_batch_invariant(kernel, fmt):
     """A row's result is the same bits alone, in any batch, and at any position of it."""
     g = torch.Generator().manual_seed(2)
     w_t, b = torch.randn(300, 200, generator=g), torch.randn(200, generator=g)
-    panels = kernel.pack(w_t)
+    packed = kernel.pack(w_t, fmt)
     x = torch.randn(37, 300, generator=g)
-    whole = kernel(x, panels, b, 200)
+    whole = kernel(x, packed, b)
     for i in range(37):
-        assert torch.equal(kernel(x[i:i + 1], panels, b, 200)[0], whole[i])
+        assert torch.equal(kernel(x[i:i + 1], packed, b)[0], whole[i])
     for lo, hi in [(0, 2), (5, 11), (3, 37), (30, 37)]:
-        assert torch.equal(kernel(x[lo:hi], panels, b, 200), whole[lo:hi])
+        assert torch.equal(kernel(x[lo:hi], packed, b), whole[lo:hi])
     # ...and with other rows around it.
     mixed = torch.cat([torch.randn(4, 300, generator=g), x[7:8], torch.randn(20, 300, generator=g)])
-    assert torch.equal(kernel(mixed, panels, b, 200)[4], whole[7])
+    assert torch.equal(kernel(mixed, packed, b)[4], whole[7])
 
 
 def test_unsupported_reasons():

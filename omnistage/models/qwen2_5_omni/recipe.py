@@ -14,10 +14,9 @@ import torch
 from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
-from omnistage.kernels.linear import native_linear_kernel
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
-from omnistage.layers.linear import use_native_linears
+from omnistage.layers.linear import native_linears_for
 from omnistage.layers.onednn import onednn_linear_available
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
@@ -94,14 +93,10 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         vision = Qwen2_5OmniVisionEncoder(tc.vision_config, dtype, dev)
         require_complete(vision, load_prefixed(vision, iter_weights(files), "thinker.visual."),
                          "thinker.visual")
-        if config.linear_kernel in ("auto", "native"):
-            kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
-            # The towers' linear layers through the native GEMM: faster than the default BLAS
-            # path here, and a row's result no longer depends on the batch around it, so a
-            # request's media embeds to the same bits however the stage batches it.
-            if kernel is not None:
-                use_native_linears(audio, kernel)
-                use_native_linears(vision, kernel)
+        # The towers' linear layers through the native GEMM: faster than the default BLAS
+        # path here, and a row's result no longer depends on the batch around it, so a
+        # request's media embeds to the same bits however the stage batches it.
+        native_linears_for(config, dev, dtype, audio, vision)
         encoders = OmniEncoders(audio.eval(), vision.eval(), dev, settings.audio_cache_chunks)
         return EncoderStage(name, encoders, settings.encoder_budget)
     if name == "thinker":

@@ -16,10 +16,9 @@ import torch
 from transformers import Qwen2Config
 
 from omnistage.config import EngineConfig
-from omnistage.kernels.linear import native_linear_kernel
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
-from omnistage.layers.linear import use_native_linears
+from omnistage.layers.linear import native_linears_for
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.loader import embedding_rows
@@ -102,11 +101,8 @@ def _encoders(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torch.de
     audio.load_weights(iter_weights(files))
     vision = Qwen3OmniVisionEncoder(th["vision_config"], dtype, dev)
     require_complete(vision, load_prefixed(vision, iter_weights(files), "thinker.visual."), "thinker.visual")
-    if config.linear_kernel in ("auto", "native"):
-        kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
-        if kernel is not None:   # batch-invariant rows, faster than the default BLAS path here
-            use_native_linears(audio, kernel)
-            use_native_linears(vision, kernel)
+    # batch-invariant rows, faster than the default BLAS path here
+    native_linears_for(config, dev, dtype, audio, vision)
     return Qwen3OmniEncoders(audio.eval(), vision.eval(), dev, cache_windows)
 
 
@@ -118,13 +114,9 @@ def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torc
         require_complete(proj, load_prefixed(proj, iter_weights(files), f"talker.{name}."), f"talker.{name}")
     predictor = CodePredictor(t["code_predictor_config"], dtype, dev)
     predictor.load_weights(iter_weights(files))
-    if config.linear_kernel in ("auto", "native"):
-        kernel, _ = native_linear_kernel(config.linear_kernel, dev, dtype)
-        if kernel is not None:
-            # The code predictor reads all its weights 15 times per frame (one token at a time):
-            # matrix-vector products at memory speed, where F.linear streams at half of it.
-            for module in (predictor, *projections):
-                use_native_linears(module, kernel)
+    # The code predictor reads all its weights 15 times per frame (one token at a time):
+    # matrix-vector products at memory speed, where F.linear streams at half of it.
+    native_linears_for(config, dev, dtype, predictor, *projections)
     end, pad = embedding_rows(files, THINKER_EMBED, [cfg["tts_eos_token_id"], cfg["tts_pad_token_id"]])
     return TalkerParts(projections[0].eval(), projections[1].eval(), predictor.eval(),
                        end.to(dev, dtype), pad.to(dev, dtype), prompt_id=t["codec_pad_id"])
