@@ -36,8 +36,9 @@ class TransposedLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool,
-                 dtype: torch.dtype, device: torch.device | str = "meta"):
+                 dtype: torch.dtype, device: torch.device | str = "meta", output_head: bool = False):
         super().__init__()
+        self.output_head = output_head          # a model's lm_head (WeightFormat.for_output_head)
         self.shard_sizes = list(shard_sizes)
         self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
         out = self.out_features = sum(shard_sizes)
@@ -65,6 +66,7 @@ class TransposedLinear(nn.Module):
         layout); drop the plain copy."""
         if kernel is not None:
             assert self.bias is None or self.bias.is_contiguous()
+            fmt = fmt.for_output_head() if self.output_head else fmt
             self.native, self.panels = kernel, kernel.pack(self.weight_t, fmt)
         else:
             self.packed = pack_weight(self.weight_t.t())          # (out, in)

@@ -33,7 +33,8 @@ class PagedDecoderLM(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         # Tied models keep a transposed copy of the embedding: the lm_head matmul is the
         # largest single read of a decode step and wants the fast layout.
-        self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype)
+        self.lm_head = TransposedLinear(c.hidden_size, [c.vocab_size], bias=False, dtype=dtype,
+                                        output_head=True)
         self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, device,
                                     c.mrope_section, mrope_interleaved)
         # 3: positions are (3, T) multimodal RoPE rows (t, h, w); 1: plain (T,) positions.

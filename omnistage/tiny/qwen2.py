@@ -16,6 +16,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.spec import TinyArch, TinyBuildOptions, prepare_outdir
 from omnistage.tiny.tokenizer import ENDOFTEXT, IM_END, build_qwen_tokenizer
+from omnistage.tiny.trained import corpus, train_
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,18 @@ SIZES: dict[str, Qwen2Shape] = {
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=128,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+    ),
+    # For quantization accuracy: ~0.5M parameters, trained for a few seconds (trained.py).
+    "trained": Qwen2Shape(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
         max_position_embeddings=2048,
         rope_theta=10000.0,
     ),
@@ -84,7 +97,11 @@ def build(options: TinyBuildOptions) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(options.seed)
         model = Qwen2ForCausalLM(config).eval()
-    reinit_weights_(model, options.seed, InitScale())
+        if options.size == "trained":
+            text = corpus(options.seed, sentences=4000)
+            train_(model, tokenizer.encode(text, verbose=False), options.seed)
+    if options.size != "trained":
+        reinit_weights_(model, options.seed, InitScale())
     model.generation_config = GenerationConfig(
         bos_token_id=special_ids[ENDOFTEXT],
         eos_token_id=[special_ids[IM_END], special_ids[ENDOFTEXT]],
