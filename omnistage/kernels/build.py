@@ -16,6 +16,7 @@ import atexit
 import hashlib
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -72,7 +73,7 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     except (OSError, subprocess.TimeoutExpired) as e:
         raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
     args = [*FLAGS, *flags, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
-    key = hashlib.sha256("\0".join([source.read_text(), *args, version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([_source_text(source), *args, version, _cpu_flags()]).encode())
     out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if _loadable(out):
         return out
@@ -90,6 +91,21 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     os.chmod(tmp, 0o700)                 # whatever the umask: writable by this user alone
     os.replace(tmp, out)                 # (replaces a refused library of the same name)
     return out
+
+
+def _source_text(source: Path) -> str:
+    """`source` and, after it, each local header it includes (`#include "name.h"`, looked up
+    beside it; headers' own includes too): a change in any of them is a new library."""
+    seen, todo, parts = set(), [source], []
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_text()
+        parts.append(text)
+        todo += [path.with_name(m) for m in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M)]
+    return "\0".join(parts)
 
 
 def _library_dir() -> Path:

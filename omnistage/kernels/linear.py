@@ -59,6 +59,10 @@ class NativeLinearKernel:
             fn.restype = None
             self._fns[fmt] = fn
 
+    def address(self, fmt: str) -> int:
+        """The C entry point for weights in format `fmt`, for native callers (decoder_stack.c)."""
+        return ctypes.cast(self._fns[fmt], ctypes.c_void_p).value
+
     @staticmethod
     def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWeight:
         """(in, out) weight -> the kernel's panels in `fmt` (weight_pack.pack)."""

@@ -40,39 +40,9 @@
 #error "HEAD_DIM and BLOCK must be multiples of 16"
 #endif
 
-#define LANES 16
+#include "vec16.h"                    /* vf, vi (16 lanes), load, store, splat, vexp */
+
 #define CHUNKS (HEAD_DIM / LANES)
-
-/* 16 float lanes; GCC/Clang lower it to whatever vector registers -march=native gives. */
-typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-static inline vf splat(float x) { return (vf){} + x; }
-static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-
-/* exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2 (Cephes' expf polynomial).
- * Lanes below -87 (including -inf) give exactly 0. */
-static inline vf vexp(vf x) {
-    const vi keep = x >= splat(-87.0f);
-    x = (vf)((vi)x & keep);                            /* dropped lanes: 0, kept finite */
-    x = vselect(x < splat(88.0f), x, splat(88.0f));
-    const vf big = splat(12582912.0f);                 /* 1.5 * 2^23: round to nearest */
-    const vf n = (x * splat(1.44269504088896341f) + big) - big;
-    vf r = x - n * splat(0.693359375f);
-    r = r - n * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return (vf)((vi)(p * (vf)e) & keep);
-}
 
 /* Lane t of the result is the sum of the lanes of a[t]. */
 static inline vf sum_lanes16(const vf a[16]) {
@@ -88,18 +58,6 @@ static inline vf sum_lanes16(const vf a[16]) {
              + __builtin_shufflevector(c[2*i], c[2*i+1], 2,3, 6,7, 10,11, 14,15, 18,19, 22,23, 26,27, 30,31);
     return __builtin_shufflevector(d[0], d[1], 0,2,4,6,8,10,12,14,16,18,20,22,24,26,28,30)
          + __builtin_shufflevector(d[0], d[1], 1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31);
-}
-
-static inline float max_lanes(vf v) {
-    float m = v[0];
-    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
-    return m;
-}
-
-static inline float sum_lanes(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
 }
 
 /* One (sequence, KV head): GROUP queries over `len` keys. `s` holds GROUP * padded scores. */

@@ -47,6 +47,12 @@ class PagedAttentionKernel:
         self._rope_write.argtypes = [p, i64, p, p, i64, p, p, i64, i64, i64]
         self._rope_write.restype = None
 
+    def addresses(self) -> tuple[int, int, int]:
+        """The C entry points (rope_write, decode, prefill), for native callers
+        (decoder_stack.c)."""
+        return tuple(ctypes.cast(f, ctypes.c_void_p).value
+                     for f in (self._rope_write, self._decode, self._prefill))
+
     def decode(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
                lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
         """Row b of q (B, Hq, D) attends to the lens[b] keys in the blocks of tables[b];

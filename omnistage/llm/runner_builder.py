@@ -48,6 +48,10 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
     attention = attention_kernel(config, model, device, dtype)
     runner = ModelRunner(model, kv.num_blocks, kv.block_size, dtype, device, eos_ids,
                          config.seed, attention)
+    if linear.startswith("native") and attention is not None:
+        # Native linears and attention: the layer loop can run in C as well (one call a step).
+        if model.use_native_stack(attention, runner.caches):
+            log.info("decoder layers as one native call per step")
     runner.keep_prompt_rows = config.enable_prefix_caching
     return RunnerSetup(runner, kv, linear, "torch" if attention is None else "native")
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.paged_attention import PagedAttentionKernel
+from omnistage.layers.attention import KVCache
 from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
@@ -39,6 +41,13 @@ class PagedDecoderLM(nn.Module):
                                     c.mrope_section, mrope_interleaved)
         # 3: positions are (3, T) multimodal RoPE rows (t, h, w); 1: plain (T,) positions.
         self.position_dims = 3 if c.mrope_section else 1
+
+    def use_native_stack(self, attention: PagedAttentionKernel, caches: list[KVCache]) -> bool:
+        """Run the decoder layers as one native call per step (kernels/decoder_stack.c) over
+        `caches`, where this model's layers allow it and its linear layers are packed for the
+        native kernel; returns whether it does. Models without such a stack keep their
+        per-op forward."""
+        return False
 
     @property
     def kv_shape(self) -> tuple[int, int, int]:

@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from omnistage.kernels.decoder_stack import DenseLayer, NativeDecoderStack, Product
+from omnistage.kernels.paged_attention import PagedAttentionKernel
 from omnistage.layers.attention import AttentionMetadata, KVCache, attend_projections
 from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.mlp import SwiGLU
@@ -98,6 +100,9 @@ class Qwen2ForCausalLM(PagedDecoderLM):
     def __init__(self, c: Qwen2Config, dtype: torch.dtype, device: torch.device):
         super().__init__(c, nn.ModuleList(Qwen2DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers)),
                          dtype, device)
+        # The layers as one native call per step, once bound (use_native_stack).
+        self.native_stack: NativeDecoderStack | None = None
+        self._stack_caches: list[KVCache] | None = None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor,
                 caches: list[KVCache], meta: AttentionMetadata,
@@ -107,10 +112,33 @@ class Qwen2ForCausalLM(PagedDecoderLM):
         for those rows alone (the rest of a prompt chunk only fills the KV cache)."""
         h = inputs_embeds
         cos_sin = self.rope.lookup(positions, h.dtype)
+        if self.native_stack is not None and meta.native is not None:
+            assert caches is self._stack_caches
+            return self.norm(self.native_stack(h, *cos_sin, meta.slot_mapping, meta.native, out_rows))
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos_sin, cache, meta, out_rows if i == last else None)
         return self.norm(h)
+
+    def use_native_stack(self, attention: PagedAttentionKernel, caches: list[KVCache]) -> bool:
+        layers = list(self.layers)
+        linears = [m for layer in layers for m in (layer.self_attn.qkv, layer.self_attn.o,
+                                                  layer.mlp.gate_up, layer.mlp.down)]
+        if any(m.native is None for m in linears) or len(caches) != len(layers):
+            return False
+
+        def product(m: TransposedLinear) -> Product:
+            return Product(m.panels, m.bias)
+
+        dense = [DenseLayer(x.input_layernorm.weight, x.post_attention_layernorm.weight, cache.kv,
+                            product(x.self_attn.qkv), product(x.self_attn.o),
+                            product(x.mlp.gate_up), product(x.mlp.down))
+                 for x, cache in zip(layers, caches)]
+        eps = layers[0].input_layernorm.eps
+        self.native_stack = NativeDecoderStack(linears[0].native, attention, dense, eps,
+                                               layers[0].self_attn.scale)
+        self._stack_caches = caches
+        return True
 
     # ---- loading --------------------------------------------------------------------------
     _SHARDS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),

@@ -99,4 +99,7 @@ def test_prefill_logits_allclose(tiny_model, reference):
         ours = llm.engine.llm.model.compute_logits(hidden)
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        # 2e-4: the native decoder stack's RMSNorm sums squares in another order than torch's
+        # (measured 1.2e-4 at most on logits up to ~20, the per-op path 6.5e-5): float32
+        # rounding, amplified by the tiny model's random layers (omnistage/tiny/init.py).
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)

@@ -1,0 +1,54 @@
+/* 16-lane float32 vectors and the helpers the kernels share (GCC/Clang vector extensions:
+ * -march=native lowers them to whatever vector registers the CPU has). */
+#ifndef OMNISTAGE_VEC16_H
+#define OMNISTAGE_VEC16_H
+
+#include <stdint.h>
+
+#define LANES 16
+
+/* 16 float lanes; GCC/Clang lower it to whatever vector registers -march=native gives. */
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){} + x; }
+static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+
+/* exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2 (Cephes' expf polynomial).
+ * Lanes below -87 (including -inf) give exactly 0. */
+static inline vf vexp(vf x) {
+    const vi keep = x >= splat(-87.0f);
+    x = (vf)((vi)x & keep);                            /* dropped lanes: 0, kept finite */
+    x = vselect(x < splat(88.0f), x, splat(88.0f));
+    const vf big = splat(12582912.0f);                 /* 1.5 * 2^23: round to nearest */
+    const vf n = (x * splat(1.44269504088896341f) + big) - big;
+    vf r = x - n * splat(0.693359375f);
+    r = r - n * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & keep);
+}
+
+
+static inline float max_lanes(vf v) {
+    float m = v[0];
+    for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+static inline float sum_lanes(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+}
+
+#endif
