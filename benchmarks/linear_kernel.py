@@ -40,7 +40,7 @@ def _best(fn, repeats: int) -> float:
 
 def _kernels(native: NativeLinearKernel, have_onednn: bool):
     """name -> (pack(w (out, in)) -> weight object, run(x, weight, out_features))."""
-    ks = {"native": (lambda w: native.pack(w.t().contiguous()), lambda x, p, n: native(x, p, None, n)),
+    ks = {"native": (lambda w: native.pack(w.t().contiguous()), lambda x, p, n: native(x, p, None)),
           "matmul": (lambda w: w.t().contiguous(), lambda x, p, n: x @ p)}
     if have_onednn:
         ks["onednn"] = (pack_weight, lambda x, p, n: packed_linear(x, p, None))

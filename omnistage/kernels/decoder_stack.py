@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library
-from omnistage.kernels.linear import NativeLinearKernel
+from omnistage.kernels.linear import NativeLinearKernel, pointer
 from omnistage.kernels.paged_attention import PagedAttentionKernel
 from omnistage.kernels.weight_pack import PackedWeight
 
@@ -117,8 +117,8 @@ class NativeDecoderStack:
     def _layer(linear: NativeLinearKernel, x: DenseLayer) -> _Layer:
         def product(p: Product) -> _Linear:
             w = p.weight
-            return _Linear(linear.address(w.format), w.panels.data_ptr(), _ptr(w.group_scales),
-                           w.group_size, _ptr(w.column_scales), _ptr(p.bias), w.out_features,
+            return _Linear(linear.address(w.format), w.panels.data_ptr(), pointer(w.group_scales),
+                           w.group_size, pointer(w.column_scales), pointer(p.bias), w.out_features,
                            w.in_features)
         return _Layer(x.norm1.data_ptr(), x.norm2.data_ptr(), x.kv.data_ptr(), product(x.qkv),
                       product(x.o), product(x.gate_up), product(x.down))
@@ -142,6 +142,3 @@ def _width(tables: torch.Tensor) -> int:
     """Columns of a (N, W) block table; an empty one may come as (0,)."""
     return tables.shape[1] if tables.dim() == 2 else 0
 
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()

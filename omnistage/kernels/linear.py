@@ -80,11 +80,11 @@ class NativeLinearKernel:
             raise ValueError(f"native linear: input {tuple(x.shape)} {x.dtype}, weight in_features {k}")
         y = torch.empty(m, n, dtype=torch.float32)
         if m:
-            self._fns[w.format](x.data_ptr(), k, w.panels.data_ptr(), _ptr(w.group_scales),
-                                w.group_size, _ptr(w.column_scales), _ptr(bias), y.data_ptr(),
+            self._fns[w.format](x.data_ptr(), k, w.panels.data_ptr(), pointer(w.group_scales),
+                                w.group_size, pointer(w.column_scales), pointer(bias), y.data_ptr(),
                                 n, m, n, k)
         return y
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()

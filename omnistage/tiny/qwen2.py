@@ -49,18 +49,6 @@ SIZES: dict[str, Qwen2Shape] = {
         max_position_embeddings=2048,
         rope_theta=10000.0,
     ),
-    # For quantization accuracy: ~0.5M parameters, trained for a few seconds (trained.py).
-    "trained": Qwen2Shape(
-        vocab_size=512,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-    ),
     # For benchmarks: ~57M parameters, shapes of a small real model.
     "small": Qwen2Shape(
         vocab_size=32000,
@@ -72,6 +60,18 @@ SIZES: dict[str, Qwen2Shape] = {
         intermediate_size=1792,
         max_position_embeddings=4096,
         rope_theta=1e6,
+    ),
+    # For quantization accuracy: ~0.5M parameters, trained for a few seconds (trained.py).
+    "trained": Qwen2Shape(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
     ),
 }
 
