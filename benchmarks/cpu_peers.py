@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bandwidth import measure_read_bandwidth  # noqa: E402
-from benchmarks.machine import finish_report, other_load  # noqa: E402
+from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
 
 PEER_VERSION = "0.3.36"
 # (label, llama.cpp GGUF type, our quantization option)
@@ -175,21 +174,6 @@ def measure_pair(ours: Ours, llama: LlamaCpp, gguf: Path, counts: list[int]) -> 
     return a, b
 
 
-def cpu_description() -> dict:
-    """The CPU's model and its vector / matrix extensions (Linux), printed with every figure."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    ext = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return {"model": model, "extensions": ext}
-
-
 def main(argv=None) -> dict:
     from omnistage.paths import cache_dir
 
@@ -212,7 +196,7 @@ def main(argv=None) -> dict:
         build_tiny("qwen2", model_dir, size="small")
     files = gguf_files(folder, src, model_dir)
     cpu = cpu_description()
-    log(f"[cpu] {cpu['model']}; {' '.join(cpu['extensions'])}; {args.threads} threads")
+    log(f"{cpu_line(cpu)}; {args.threads} threads")
     report = {"cpu": cpu, "threads": args.threads, "model": str(model_dir), "peer": f"llama.cpp from "
               f"llama-cpp-python {PEER_VERSION}", "bandwidth_start": measure_read_bandwidth(threads=args.threads)}
     llama = LlamaCpp(src, args.threads)

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 from benchmarks import bandwidth, hf_peers  # noqa: E402
 from benchmarks.checkpoint import ensure_model  # noqa: E402
-from benchmarks.machine import finish_report, other_load  # noqa: E402
+from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
 from benchmarks.workload import Measurement, make_workload, usable_token_ids  # noqa: E402
 
 SYSTEMS = ("omnistage", "hf", "hf-batch", "single", "vllm")
@@ -249,7 +249,8 @@ def main(argv=None) -> dict:
     report = {"model": str(model_dir), "seed": args.seed, "num_requests": len(work.prompts),
               "prompt_tokens": sum(map(len, work.prompts)),
               "output_tokens": work.total_output_tokens, "systems": {}, "single_stream": {},
-              "errors": {}, "load_avg_start": os.getloadavg()}
+              "errors": {}, "load_avg_start": os.getloadavg(), "cpu": cpu_description()}
+    log(cpu_line(report["cpu"]))
     log(f"[machine] load average at start {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if os.getloadavg()[0] > 0.5:
         log(f"[warning] load average {os.getloadavg()[0]:.1f} before starting: other processes "

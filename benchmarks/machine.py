@@ -8,7 +8,9 @@ processes used meanwhile, so a reader can tell a slow system from a busy machine
 from __future__ import annotations
 
 import os
+import platform
 import time
+from pathlib import Path
 from contextlib import contextmanager
 
 
@@ -51,3 +53,22 @@ def finish_report(report: dict, out_json: str | None) -> dict:
         Path(out_json).write_text(json.dumps(report, indent=1))
     print(json.dumps(report), flush=True)
     return report
+
+
+def cpu_description() -> dict:
+    """The CPU's model and its vector / matrix extensions (Linux), printed with every figure."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:        # not Linux: the platform's name only
+        pass
+    ext = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"model": model, "extensions": ext}
+
+
+def cpu_line(cpu: dict) -> str:
+    return f"[cpu] {cpu['model']}; {' '.join(cpu['extensions']) or 'no vector extensions listed'}"

@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 from benchmarks import omni_peers  # noqa: E402
 from benchmarks.llm_throughput import _busy_note, _engine_option, log  # noqa: E402
-from benchmarks.machine import finish_report, other_load  # noqa: E402
+from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
 from benchmarks.omni_peers import percentile, print_breakdown, print_table, summarize  # noqa: E402
 from benchmarks.qwen3_omni_peer import frames_from_windows  # noqa: E402
 
@@ -555,7 +555,9 @@ def main(argv: list[str] | None = None) -> dict:
     built = not args.model or args.model in ARCHITECTURES.values()
     report = {"model": str(args.model_dir), "family": args.family, "size": args.size if built else None,
               "workload": workload(args), "threads": args.threads, "code": code_state(), "errors": {},
-              "load_avg_start": os.getloadavg(), "cpu_count": os.cpu_count()}
+              "load_avg_start": os.getloadavg(), "cpu_count": os.cpu_count(),
+              "cpu": cpu_description()}
+    log(cpu_line(report["cpu"]))
     what = "frames" if args.family == QWEN3 else "codes"
     log(f"[workload] {args.family} model {args.model_dir}; {args.text_tokens} text tokens and "
         f"{args.codec_tokens} {what} ({report['workload']['audio_s_per_request']:.2f} s of audio) "

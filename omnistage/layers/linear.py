@@ -49,21 +49,46 @@ class TransposedLinear(nn.Module):
         self.packed: torch.Tensor | None = None   # oneDNN-blocked (out, in) weight, if packed
         self.panels: PackedWeight | None = None   # the native kernel's panels, if packed
         self.native: NativeLinearKernel | None = None
+        # Set by pack_when_loaded: packed as soon as every shard (and bias) is in.
+        self._pack_on_load: tuple[NativeLinearKernel, WeightFormat] | None = None
+        self._loaded: set[tuple[str, int]] = set()
 
     def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
         """w: (out_shard, in) as checkpoints store it."""
         off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        self._check_unpacked()
         _check_shape(w, (size, self.weight_t.shape[0]))
         self.weight_t[:, off:off + size].copy_(w.t())
+        self._loaded_part("weight", shard)
 
     def load_bias(self, b: torch.Tensor, shard: int = 0) -> None:
         off, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        self._check_unpacked()
         _check_shape(b, (size,))
         self.bias[off:off + size].copy_(b)
+        self._loaded_part("bias", shard)
+
+    def pack_when_loaded(self, kernel: NativeLinearKernel, fmt: WeightFormat) -> None:
+        """Pack for `kernel` in `fmt` as soon as every shard of the weight (and of the bias)
+        has been loaded, dropping the float32 copy then: while a checkpoint loads, only the
+        layers still loading hold float32 weights (their untouched pages are not resident)."""
+        self._pack_on_load = (kernel, fmt)
+
+    def _loaded_part(self, kind: str, shard: int) -> None:
+        self._loaded.add((kind, shard))
+        parts = len(self.shard_sizes) * (1 if self.bias is None else 2)
+        if self._pack_on_load is not None and len(self._loaded) == parts:
+            self.pack(*self._pack_on_load)
+
+    def _check_unpacked(self) -> None:
+        if self.packed is not None or self.panels is not None:
+            raise ValueError("this layer's weights were loaded (and packed) already")
 
     def pack(self, kernel: NativeLinearKernel | None, fmt: WeightFormat = WeightFormat()) -> None:
         """Move the weight into `kernel`'s panels in `fmt` (kernel None: oneDNN's float32
         layout); drop the plain copy."""
+        if self.packed is not None or self.panels is not None:
+            return                                # packed while loading (pack_when_loaded)
         if kernel is not None:
             assert self.bias is None or self.bias.is_contiguous()
             fmt = fmt.for_output_head() if self.output_head else fmt
@@ -71,6 +96,7 @@ class TransposedLinear(nn.Module):
         else:
             self.packed = pack_weight(self.weight_t.t())          # (out, in)
         self.weight_t = nn.Parameter(torch.empty(0, dtype=self.weight_t.dtype), requires_grad=False)
+        self._pack_on_load = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -151,6 +177,23 @@ def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.
     for module in modules:
         use_native_linears(module, kernel, weight_format(config))
     return True
+
+
+def pack_while_loading(model: nn.Module, config: EngineConfig) -> None:
+    """Before `model` (its parameters materialised, not yet filled) loads its checkpoint:
+    with a `quantization` other than none, each TransposedLinear packs into the native format
+    as soon as its weights are in, so loading never holds the whole model in float32 (a
+    Qwen2.5-Omni-7B thinker would need ~30 GB, its int8 weights ~8). Output heads pack later,
+    with the rest (a tied head is loaded from the embedding table, perhaps twice)."""
+    if config.quantization == "none" or config.linear_kernel not in ("auto", "native"):
+        return
+    kernel, why = native_linear_kernel(config.linear_kernel, next(model.parameters()).device,
+                                       next(model.parameters()).dtype)
+    if kernel is None:
+        raise unserved_quantization(config, why)
+    for m in model.modules():
+        if isinstance(m, TransposedLinear) and not m.output_head:
+            m.pack_when_loaded(kernel, weight_format(config))
 
 
 def unserved_quantization(config: EngineConfig, why: str) -> InvalidRequestError:

@@ -16,12 +16,15 @@ from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_weights,
                                          load_tokenizer, read_config, safetensors_files)
+from omnistage.layers.linear import pack_while_loading
 from omnistage.layers.weights import fill_model
 from omnistage.models import resolve_model_class
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Build the model named by config.json and fill it from the folder's safetensors."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               pack_for: EngineConfig | None = None) -> torch.nn.Module:
+    """Build the model named by config.json and fill it from the folder's safetensors
+    (`pack_for`: packing its linear layers for that config's weight format as they load)."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     cls = resolve_model_class(architecture_of(cfg))
@@ -31,6 +34,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot use it ({e!r})") from e
     model = cls(config, dtype=dtype, device=device)
     model.to_empty(device=device)
+    if pack_for is not None:
+        pack_while_loading(model, pack_for)
     fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), warn_unused=True)
     return model.eval()
 
@@ -40,6 +45,6 @@ def load_text_model(config: EngineConfig) -> tuple[torch.nn.Module, object, set[
     (`auto`: the checkpoint's) on its device: what an LLMEngine serves."""
     hf_config = read_config(config.model)
     dtype = config.torch_dtype(hf_config.get("dtype") or hf_config.get("torch_dtype"))
-    model = load_model(config.model, dtype, config.torch_device)
+    model = load_model(config.model, dtype, config.torch_device, pack_for=config)
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     return model, tokenizer, eos_token_ids(config.model, tokenizer)

@@ -99,3 +99,20 @@ def test_options_are_checked(tiny_qwen2, tmp_path, monkeypatch, caplog):
         Omni(tiny_qwen2, quantization="int8")
     with caplog.at_level(logging.INFO, logger="omnistage"):
         assert Omni(tiny_qwen2).engine.llm.linear_kernel in ("onednn", "matmul")
+
+
+def test_layers_pack_while_loading(trained_qwen2):
+    """With a quantization, each layer drops its float32 copy as soon as its weights are in;
+    output heads pack with the rest, later."""
+    import torch
+
+    from omnistage.models.loader import load_model
+
+    config = EngineConfig(model=trained_qwen2, quantization="int8")
+    model = load_model(trained_qwen2, torch.float32, torch.device("cpu"), pack_for=config)
+    for layer in model.layers:
+        for m in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            assert m.panels.format == "int8" and m.weight_t.numel() == 0
+    assert model.lm_head.panels is None and model.lm_head.weight_t.numel() > 0
+    with pytest.raises(ValueError, match="loaded .and packed. already"):
+        model.layers[0].mlp.down.load_weight(torch.zeros(128, 384))

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
+from omnistage.layers.linear import pack_while_loading
 from omnistage.layers.weights import fill_model
 from omnistage.models.qwen2_5_omni.router import BridgeConstants
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerLM, TalkerConfig, TalkerTokens
@@ -42,9 +44,10 @@ def load_speakers(model_dir: Path) -> dict[str, Speaker]:
         raise CheckpointError(f"{path}: each speaker needs bos_token, cond and ref_mel ({e!r})") from e
 
 
-def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype,
-            device: torch.device) -> Qwen2_5OmniThinkerLM | Qwen2_5OmniTalkerLM:
-    """The thinker's or the talker's language model, filled from the folder."""
+def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch.device,
+            pack_for: EngineConfig | None = None) -> Qwen2_5OmniThinkerLM | Qwen2_5OmniTalkerLM:
+    """The thinker's or the talker's language model, filled from the folder (`pack_for`:
+    packing its linear layers for that config's weight format as they load)."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     try:
@@ -55,6 +58,8 @@ def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype,
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: not a usable Qwen2.5-Omni config ({e!r})") from e
     model.to_empty(device=device)
+    if pack_for is not None:
+        pack_while_loading(model, pack_for)
     fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir))
     return model.eval()
 

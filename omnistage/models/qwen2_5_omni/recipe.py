@@ -101,14 +101,14 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         return EncoderStage(name, encoders, settings.encoder_budget)
     if name == "thinker":
         tokenizer = load_thinker_tokenizer(config)
-        engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev), tokenizer,
+        engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev, pack_for=config), tokenizer,
                            eos_token_ids(config.model, tokenizer))
         return ARStage(name, engine)
     if name == "talker":
         # No text, stops on the codec stop ids. Its prompts are embeddings (the thinker's rows):
         # the prefix cache keys them by content, so the shared system prompt is reused.
         stop = talker_tokens(read_config(model_dir)).stop_ids
-        engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev), None, set(stop))
+        engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev, pack_for=config), None, set(stop))
         return ARStage(name, engine)
     if name == "token2wav":
         t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)

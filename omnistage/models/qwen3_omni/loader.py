@@ -6,16 +6,20 @@ from pathlib import Path
 
 import torch
 
+from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
+from omnistage.layers.linear import pack_while_loading
 from omnistage.layers.weights import fill_model
 from omnistage.models.qwen3_omni.lms import Qwen3OmniTalkerLM, Qwen3OmniThinkerLM
 
 
 def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch.device,
-            export_layer: int | None = None) -> Qwen3OmniThinkerLM | Qwen3OmniTalkerLM:
+            export_layer: int | None = None,
+            pack_for: EngineConfig | None = None) -> Qwen3OmniThinkerLM | Qwen3OmniTalkerLM:
     """The thinker's (`export_layer`: the layer whose output it hands out) or the talker's
-    language model, filled from the folder."""
+    language model, filled from the folder (`pack_for`: packing its linear layers for that
+    config's weight format as they load)."""
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     cls = Qwen3OmniThinkerLM if which == "thinker" else Qwen3OmniTalkerLM
@@ -28,6 +32,8 @@ def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch
                              f"{export_layer} is not a layer of the thinker's {model.config.num_hidden_layers}")
     model.export_layer = export_layer
     model.to_empty(device=device)
+    if pack_for is not None:
+        pack_while_loading(model, pack_for)
     fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir))
     return model.eval()
 

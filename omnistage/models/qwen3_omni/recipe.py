@@ -80,11 +80,11 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
     if name == "thinker":
         tokenizer = load_thinker_tokenizer(config)
         accept = cfg["talker_config"]["accept_hidden_layer"] if speaks(model_dir, settings) else None
-        engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev, export_layer=accept),
+        engine = LLMEngine(config, load_lm(model_dir, "thinker", dtype, dev, export_layer=accept, pack_for=config),
                            tokenizer, eos_token_ids(config.model, tokenizer))
         return ARStage(name, engine)
     if name == "talker":
-        engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev), None,
+        engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev, pack_for=config), None,
                            {cfg["talker_config"]["codec_eos_token_id"]})
         return TalkerStage(name, engine, _talker_parts(config, cfg, dtype, dev))
     if name == "code2wav":
