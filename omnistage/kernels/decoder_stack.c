@@ -59,6 +59,7 @@ typedef struct {
     int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, num_blocks;
     double eps, scale;
     const Layer *layers;
+    const float *final_norm;           /* the model's final RMSNorm weight (hidden), or NULL */
     rope_write_fn rope_write;
     decode_fn decode;
     prefill_fn prefill;
@@ -140,8 +141,8 @@ int64_t decoder_stack_work(const Stack *s, int64_t tokens) {
     return tokens * (s->hidden + qkv + s->heads * s->head_dim + 3 * s->intermediate);
 }
 
-/* h: (tokens, hidden), the layers' input, replaced by their output (before the final norm):
- * all rows, or the out_count rows of out_rows in rows [0, out_count). work: at least
+/* h: (tokens, hidden), the layers' input, replaced by their output (after the final norm,
+ * when the stack has one): all rows, or the out_count rows of out_rows in rows [0, out_count). work: at least
  * decoder_stack_work floats. Returns 0, or -1 when an attention kernel could not allocate
  * its scratch (h is then undefined). */
 int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
@@ -151,6 +152,7 @@ int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
     float *x = work, *qkv = x + t * hid, *att = qkv + t * qkv_width, *gu = att + t * att_width;
     float *act = gu + t * 2 * inter;
     const float eps = (float)s->eps, scale = (float)s->scale;
+    int64_t rows = t;
     for (int64_t l = 0; l < s->num_layers; l++) {
         const Layer *L = s->layers + l;
         rmsnorm(h, L->norm1, x, t, hid, eps);
@@ -167,7 +169,6 @@ int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
                              s->num_blocks, st->prefill_width, scale);
         if (rc != 0)
             return -1;
-        int64_t rows = t;
         if (l == s->num_layers - 1 && st->out_rows != NULL) {   /* only these rows go on */
             keep_rows(att, att_width, st->out_rows, st->out_count);
             keep_rows(h, hid, st->out_rows, st->out_count);
@@ -181,5 +182,7 @@ int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
         product(&L->down, act, x, rows);
         add_rows(h, x, rows * hid);
     }
+    if (s->final_norm != NULL)
+        rmsnorm(h, s->final_norm, h, rows, hid, eps);    /* in place: a row is read, then written */
     return 0;
 }

@@ -33,7 +33,7 @@ class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("num_blocks", _i64),
                 ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("layers", ctypes.POINTER(_Layer)),
-                ("rope_write", _p), ("decode", _p), ("prefill", _p)]
+                ("final_norm", _p), ("rope_write", _p), ("decode", _p), ("prefill", _p)]
 
 
 class _Step(ctypes.Structure):
@@ -70,7 +70,7 @@ class NativeDecoderStack:
     runs one step's rows through all of them."""
 
     def __init__(self, linear: NativeLinearKernel, attention: PagedAttentionKernel,
-                 layers: list[DenseLayer], eps: float, scale: float):
+                 layers: list[DenseLayer], eps: float, scale: float, final_norm: torch.Tensor):
         lib = ctypes.CDLL(str(build_library(SOURCE, {})))
         self._run = lib.decoder_stack_f32
         self._run.argtypes = [ctypes.POINTER(_Stack), ctypes.POINTER(_Step), _p, _p]
@@ -78,7 +78,8 @@ class NativeDecoderStack:
         self._work_floats = lib.decoder_stack_work
         self._work_floats.argtypes = [ctypes.POINTER(_Stack), _i64]
         self._work_floats.restype = _i64
-        self._layers = layers                                   # keeps the tensors alive
+        self._layers, self._final_norm = layers, final_norm    # keeps the tensors alive
+        assert final_norm.dtype == torch.float32 and final_norm.is_contiguous()
         first = layers[0]
         self.hidden = first.norm1.shape[0]
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
@@ -87,13 +88,14 @@ class NativeDecoderStack:
         rope, decode, prefill = attention.addresses()
         self._array = (_Layer * len(layers))(*(self._layer(linear, x) for x in layers))
         self._stack = _Stack(len(layers), self.hidden, first.down.weight.in_features, heads, kv_heads,
-                             head_dim, first.kv.shape[2], eps, scale, self._array, rope, decode, prefill)
+                             head_dim, first.kv.shape[2], eps, scale, self._array,
+                             final_norm.data_ptr(), rope, decode, prefill)
         self._work = torch.empty(0)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  native, out_rows: torch.Tensor | None) -> torch.Tensor:
-        """h (T, hidden): the first layer's input (not modified) -> the last layer's output,
-        (T, hidden) or (R, hidden) for out_rows (R,) ascending. cos, sin, slots and `native`
+        """h (T, hidden): the first layer's input (not modified) -> the last layer's output
+        after the final norm, (T, hidden) or (R, hidden) for out_rows (R,) ascending. cos, sin, slots and `native`
         (the step's NativeBatches) as the per-op path gets them."""
         t = h.shape[0]
         assert h.shape[1] == self.hidden and h.dtype == torch.float32 and cos.stride() == sin.stride()

@@ -114,7 +114,7 @@ class Qwen2ForCausalLM(PagedDecoderLM):
         cos_sin = self.rope.lookup(positions, h.dtype)
         if self.native_stack is not None and meta.native is not None:
             assert caches is self._stack_caches
-            return self.norm(self.native_stack(h, *cos_sin, meta.slot_mapping, meta.native, out_rows))
+            return self.native_stack(h, *cos_sin, meta.slot_mapping, meta.native, out_rows)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cos_sin, cache, meta, out_rows if i == last else None)
@@ -135,8 +135,11 @@ class Qwen2ForCausalLM(PagedDecoderLM):
                             product(x.mlp.gate_up), product(x.mlp.down))
                  for x, cache in zip(layers, caches)]
         eps = layers[0].input_layernorm.eps
+        norms = [self.norm, *(n for x in layers for n in (x.input_layernorm, x.post_attention_layernorm))]
+        if any(n.eps != eps for n in norms):
+            return False                                  # the C stack takes one epsilon
         self.native_stack = NativeDecoderStack(linears[0].native, attention, dense, eps,
-                                               layers[0].self_attn.scale)
+                                               layers[0].self_attn.scale, self.norm.weight)
         self._stack_caches = caches
         return True
 
