@@ -116,3 +116,19 @@ def test_layers_pack_while_loading(trained_qwen2):
     assert model.lm_head.panels is None and model.lm_head.weight_t.numel() > 0
     with pytest.raises(ValueError, match="loaded .and packed. already"):
         model.layers[0].mlp.down.load_weight(torch.zeros(128, 384))
+
+
+def test_qwen3_omni_stages_quantize(tmp_path):
+    """The MoE thinker and talker (experts packed as they load), the code predictor and the
+    projections take int4; text and speech come out."""
+    from omnistage.tiny import build_tiny
+
+    folder = str(build_tiny("qwen3_omni", tmp_path / "q3", seed=0))
+    with Omni(folder, quantization="int4", quantization_group_size=32) as omni:
+        stages = omni.engine.graph.stages
+        assert stages["thinker"].engine.linear_kernel == "native int4"
+        assert stages["talker"].engine.linear_kernel == "native int4"
+        [out] = omni.generate([{"role": "user", "content": "Say something."}],
+                              SamplingParams(temperature=0.0, max_tokens=8),
+                              output=OutputOptions(modalities=["text", "audio"]))
+        assert out.outputs[0].token_ids and out.audio is not None and out.audio.size > 0
