@@ -75,9 +75,6 @@ class NativeDecoderStack:
         self._run = lib.decoder_stack_f32
         self._run.argtypes = [ctypes.POINTER(_Stack), ctypes.POINTER(_Step), _p, _p]
         self._run.restype = ctypes.c_int
-        self._work_floats = lib.decoder_stack_work
-        self._work_floats.argtypes = [ctypes.POINTER(_Stack), _i64]
-        self._work_floats.restype = _i64
         self._layers, self._final_norm = layers, final_norm    # keeps the tensors alive
         assert final_norm.dtype == torch.float32 and final_norm.is_contiguous()
         first = layers[0]
@@ -90,17 +87,21 @@ class NativeDecoderStack:
         self._stack = _Stack(len(layers), self.hidden, first.down.weight.in_features, heads, kv_heads,
                              head_dim, first.kv.shape[2], eps, scale, self._array,
                              final_norm.data_ptr(), rope, decode, prefill)
+        work_floats = lib.decoder_stack_work
+        work_floats.argtypes = [ctypes.POINTER(_Stack), _i64]
+        work_floats.restype = _i64
+        self._work_per_row = work_floats(ctypes.byref(self._stack), 1)   # linear in the rows
         self._work = torch.empty(0)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  native, out_rows: torch.Tensor | None) -> torch.Tensor:
         """h (T, hidden): the first layer's input (not modified) -> the last layer's output
-        after the final norm, (T, hidden) or (R, hidden) for out_rows (R,) ascending. cos, sin, slots and `native`
-        (the step's NativeBatches) as the per-op path gets them."""
+        after the final norm, (T, hidden) or (R, hidden) for out_rows (R,) ascending. cos,
+        sin, slots and `native` (the step's NativeBatches) as the per-op path gets them."""
         t = h.shape[0]
         assert h.shape[1] == self.hidden and h.dtype == torch.float32 and cos.stride() == sin.stride()
         out = h.contiguous().clone()
-        need = self._work_floats(ctypes.byref(self._stack), t)
+        need = self._work_per_row * t
         if self._work.numel() < need:       # grown, never shrunk: no page faults per step
             self._work = torch.empty(need)
         rows = None if out_rows is None else out_rows.contiguous()

@@ -80,14 +80,18 @@ class TransposedLinear(nn.Module):
         if self._pack_on_load is not None and len(self._loaded) == parts:
             self.pack(*self._pack_on_load)
 
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None or self.panels is not None
+
     def _check_unpacked(self) -> None:
-        if self.packed is not None or self.panels is not None:
+        if self.is_packed:
             raise ValueError("this layer's weights were loaded (and packed) already")
 
     def pack(self, kernel: NativeLinearKernel | None, fmt: WeightFormat = WeightFormat()) -> None:
         """Move the weight into `kernel`'s panels in `fmt` (kernel None: oneDNN's float32
         layout); drop the plain copy."""
-        if self.packed is not None or self.panels is not None:
+        if self.is_packed:
             return                                # packed while loading (pack_when_loaded)
         if kernel is not None:
             assert self.bias is None or self.bias.is_contiguous()
@@ -169,10 +173,8 @@ def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.
     returns whether it did. A quantization the kernel cannot serve here is an error."""
     if config.linear_kernel not in ("auto", "native"):
         return False
-    kernel, why = native_linear_kernel(config.linear_kernel, device, dtype)
+    kernel, _ = native_kernel_for(config, device, dtype)
     if kernel is None:
-        if config.quantization != "none":
-            raise unserved_quantization(config, why)
         return False
     for module in modules:
         use_native_linears(module, kernel, weight_format(config))
@@ -187,20 +189,23 @@ def pack_while_loading(model: nn.Module, config: EngineConfig) -> None:
     with the rest (a tied head is loaded from the embedding table, perhaps twice)."""
     if config.quantization == "none" or config.linear_kernel not in ("auto", "native"):
         return
-    kernel, why = native_linear_kernel(config.linear_kernel, next(model.parameters()).device,
-                                       next(model.parameters()).dtype)
-    if kernel is None:
-        raise unserved_quantization(config, why)
+    param = next(model.parameters())
+    kernel, _ = native_kernel_for(config, param.device, param.dtype)   # never None: it raises
     for m in model.modules():
         if isinstance(m, TransposedLinear) and not m.output_head:
             m.pack_when_loaded(kernel, weight_format(config))
 
 
-def unserved_quantization(config: EngineConfig, why: str) -> InvalidRequestError:
-    """The error for a `quantization` the native kernel cannot serve (`why`): such weights
-    exist only in its layout."""
-    return InvalidRequestError(f"quantization={config.quantization} needs the native linear "
-                               f"kernel, which cannot serve here: {why}", param="quantization")
+def native_kernel_for(config: EngineConfig, device: torch.device, dtype: torch.dtype
+                      ) -> tuple[NativeLinearKernel | None, str | None]:
+    """For `linear_kernel` auto or native: the native kernel, or (None, why it cannot serve
+    here). A quantization other than none that it cannot serve raises (such weights exist only
+    in its layout), as does linear_kernel=native."""
+    kernel, why = native_linear_kernel(config.linear_kernel, device, dtype)
+    if kernel is None and config.quantization != "none":
+        raise InvalidRequestError(f"quantization={config.quantization} needs the native linear "
+                                  f"kernel, which cannot serve here: {why}", param="quantization")
+    return kernel, why
 
 
 def _check_shape(t: torch.Tensor, shape: tuple[int, ...]) -> None:

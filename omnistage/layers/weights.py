@@ -10,7 +10,9 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError
+from omnistage.layers.linear import pack_while_loading
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,13 @@ def require_complete(module: nn.Module, loaded: set[str], where: str) -> None:
 
 
 def fill_model(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], where: str,
-               warn_unused: bool = False) -> None:
+               warn_unused: bool = False, pack_for: EngineConfig | None = None) -> None:
     """Feed checkpoint tensors to an engine model's load_weights; check it got all it needs.
-    Tensors the model does not use (KeyError) are skipped: logged when `warn_unused`."""
+    Tensors the model does not use (KeyError) are skipped: logged when `warn_unused`.
+    `pack_for`: its linear layers pack for that config's weight format as they load
+    (linear.pack_while_loading)."""
+    if pack_for is not None:
+        pack_while_loading(model, pack_for)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:

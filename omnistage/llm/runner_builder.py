@@ -12,9 +12,8 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.build import pick_native
-from omnistage.kernels.linear import native_linear_kernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
-from omnistage.layers.linear import pack_linears, unserved_quantization, weight_format
+from omnistage.layers.linear import native_kernel_for, pack_linears, weight_format
 from omnistage.layers.onednn import onednn_linear_available
 from omnistage.llm.model_runner import ModelRunner
 
@@ -64,12 +63,10 @@ def choose_linear_kernel(config: EngineConfig, model: torch.nn.Module, device: t
     if want == "matmul":
         return "matmul"
     if want in ("auto", "native"):
-        kernel, why = native_linear_kernel(want, device, dtype)
+        kernel, why = native_kernel_for(config, device, dtype)
         if kernel is not None:
             pack_linears(model, kernel, fmt)
             return "native" if config.quantization == "none" else f"native {config.quantization}"
-        if config.quantization != "none":   # such weights exist only in the native layout
-            raise unserved_quantization(config, why)
         log.info("linear layers without the native kernel: %s", why)
     if onednn_linear_available(device, dtype):
         pack_linears(model, None)

@@ -16,7 +16,6 @@ from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_weights,
                                          load_tokenizer, read_config, safetensors_files)
-from omnistage.layers.linear import pack_while_loading
 from omnistage.layers.weights import fill_model
 from omnistage.models import resolve_model_class
 
@@ -34,9 +33,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"{model_dir / 'config.json'}: cannot use it ({e!r})") from e
     model = cls(config, dtype=dtype, device=device)
     model.to_empty(device=device)
-    if pack_for is not None:
-        pack_while_loading(model, pack_for)
-    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), warn_unused=True)
+    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), warn_unused=True,
+               pack_for=pack_for)
     return model.eval()
 
 

@@ -15,7 +15,6 @@ from safetensors import safe_open
 from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
-from omnistage.layers.linear import pack_while_loading
 from omnistage.layers.weights import fill_model
 from omnistage.models.qwen2_5_omni.router import BridgeConstants
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerLM, TalkerConfig, TalkerTokens
@@ -58,9 +57,7 @@ def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: not a usable Qwen2.5-Omni config ({e!r})") from e
     model.to_empty(device=device)
-    if pack_for is not None:
-        pack_while_loading(model, pack_for)
-    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir))
+    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), pack_for=pack_for)
     return model.eval()
 
 
