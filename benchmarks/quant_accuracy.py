@@ -1,4 +1,5 @@
-"""What each weight format (`quantization`) costs in accuracy, against float32 weights.
+"""What each weight format (`quantization`) and the bfloat16 KV cache (`kv_cache_dtype`) cost
+in accuracy, against float32 weights and cache.
 
     python -m benchmarks.quant_accuracy                    # the trained tiny Qwen2, group 64
     python -m benchmarks.quant_accuracy --group-size 32 --model PATH
@@ -27,13 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from omnistage import Omni, SamplingParams  # noqa: E402
 
-FORMATS = ("none", "bf16", "int8", "int4")
+# name -> engine options (the group size is added to each)
+FORMATS = {"bf16": {"quantization": "bf16"}, "int8": {"quantization": "int8"},
+           "int4": {"quantization": "int4"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"}}
 NEW_TOKENS = 64
 
 
 @dataclass
 class FormatAccuracy:
-    quantization: str
+    name: str                     # a key of FORMATS
     tokens_equal: float           # share of generated tokens equal to float32's
     continuations_equal: int      # continuations equal in full
     continuations: int
@@ -66,11 +69,11 @@ def _run(model_dir: str, prompts: list[list[int]], **options) -> tuple[list[list
 
 
 def measure(model_dir: str, prompts: list[list[int]], group_size: int = 64,
-            formats: tuple[str, ...] = FORMATS[1:]) -> list[FormatAccuracy]:
+            formats: tuple[str, ...] = tuple(FORMATS)) -> list[FormatAccuracy]:
     ref_tokens, ref_logits = _run(model_dir, prompts)
     results = []
     for q in formats:
-        tokens, logits = _run(model_dir, prompts, quantization=q, quantization_group_size=group_size)
+        tokens, logits = _run(model_dir, prompts, quantization_group_size=group_size, **FORMATS[q])
         pairs = [(a, b) for r, o in zip(ref_tokens, tokens) for a, b in zip(r, o)]
         kl = torch.cat([torch.nn.functional.kl_div(b.log_softmax(-1), a.log_softmax(-1), log_target=True,
                                                    reduction="none").sum(-1)
@@ -96,7 +99,7 @@ def main() -> None:
             model_dir = str(build_tiny("qwen2", Path(tmp) / "trained", size="trained"))
         results = measure(model_dir, accuracy_prompts(model_dir), args.group_size)
     for r in results:
-        print(f"{r.quantization:5s} tokens equal {r.tokens_equal:.3f}  continuations equal "
+        print(f"{r.name:7s} tokens equal {r.tokens_equal:.3f}  continuations equal "
               f"{r.continuations_equal}/{r.continuations}  logits max |diff| {r.logits_max_abs:.4f}  "
               f"KL mean {r.kl_mean:.2e} max {r.kl_max:.2e}")
     print(json.dumps({"group_size": args.group_size, "results": [asdict(r) for r in results]}))

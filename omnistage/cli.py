@@ -150,6 +150,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized "
                    "from --kv-cache-memory-gb)")
     g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="KV pool memory cap (default: 2)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="how K and V are stored: bfloat16 halves the pool's bytes per token "
+                        "(values rounded to 8 significant bits; attention still computes in the "
+                        "model's dtype). Default: auto (the model's dtype)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")

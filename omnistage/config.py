@@ -26,6 +26,7 @@ class EngineConfig:
     block_size: int = 16                  # tokens per KV block
     num_kv_blocks: int | None = None      # KV pool size in blocks; default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0       # upper bound on the KV pool when num_kv_blocks is unset
+    kv_cache_dtype: str = "auto"          # auto (the model's dtype) | float32 | bfloat16 | float16
     enable_prefix_caching: bool = True    # reuse KV blocks of identical prompt prefixes
     seed: int = 0                         # seed of unseeded sampling
     num_threads: int | None = None        # torch CPU threads; default: torch's choice
@@ -59,6 +60,8 @@ class EngineConfig:
         if self.quantization != "none" and self.linear_kernel in ("onednn", "matmul"):
             raise bad("quantization", f"={self.quantization} runs on the native linear kernel; "
                       f"linear_kernel={self.linear_kernel} reads float weights (use auto or native)")
+        if self.kv_cache_dtype not in ("auto", *_DTYPES):
+            raise bad("kv_cache_dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.kv_cache_dtype!r}")
         if not self.kv_cache_memory_gb > 0:
             raise bad("kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb!r}")
         try:
@@ -81,6 +84,10 @@ class EngineConfig:
         if self.torch_device.type == "cpu":
             return torch.float32
         return dt
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype: `auto` stores K and V as the model computes them."""
+        return model_dtype if self.kv_cache_dtype == "auto" else _DTYPES[self.kv_cache_dtype]
 
     @classmethod
     def option_names(cls) -> list[str]:

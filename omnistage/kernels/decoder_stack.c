@@ -28,12 +28,12 @@ typedef void (*linear_fn)(const float *x, int64_t ldx, const void *panels, const
                           int64_t group, const float *cscales, const float *bias, float *y,
                           int64_t ldy, int64_t m, int64_t n, int64_t k);
 typedef void (*rope_write_fn)(float *qkv, int64_t ld, const float *cos, const float *sin,
-                              int64_t cs_stride, const int64_t *slots, float *kv, int64_t tokens,
+                              int64_t cs_stride, const int64_t *slots, void *kv, int64_t tokens,
                               int64_t kv_heads, int64_t num_blocks);
-typedef int (*decode_fn)(const float *q, int64_t q_stride, const float *kv, const int64_t *tables,
+typedef int (*decode_fn)(const float *q, int64_t q_stride, const void *kv, const int64_t *tables,
                          const int64_t *lens, float *out, int64_t batch, int64_t kv_heads,
                          int64_t num_blocks, int64_t width, float scale);
-typedef int (*prefill_fn)(const float *q, int64_t q_stride, const float *kv, const int64_t *tables,
+typedef int (*prefill_fn)(const float *q, int64_t q_stride, const void *kv, const int64_t *tables,
                           const int64_t *q_starts, const int64_t *q_lens, const int64_t *ctx_lens,
                           float *out, int64_t chunks, int64_t kv_heads, int64_t num_blocks,
                           int64_t width, float scale);
@@ -51,7 +51,8 @@ typedef struct {
 
 typedef struct {
     const float *norm1, *norm2;        /* input / post-attention RMSNorm weights (hidden) */
-    float *kv;                         /* the layer's cache (2, Hkv, num_blocks, BLOCK, D) */
+    void *kv;                          /* the layer's cache (2, Hkv, num_blocks, BLOCK, D), float32
+                                        * or bfloat16 as the attention kernels read it */
     Linear qkv, o, gate_up, down;
 } Layer;
 

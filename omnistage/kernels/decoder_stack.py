@@ -81,7 +81,7 @@ class NativeDecoderStack:
         self.hidden = first.norm1.shape[0]
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         for layer in layers:
-            self._check(layer, heads, kv_heads, head_dim)
+            self._check(layer, heads, kv_heads, head_dim, attention.kv_dtype)
         rope, decode, prefill = attention.addresses()
         self._array = (_Layer * len(layers))(*(self._layer(linear, x) for x in layers))
         self._stack = _Stack(len(layers), self.hidden, first.down.weight.in_features, heads, kv_heads,
@@ -127,11 +127,13 @@ class NativeDecoderStack:
                       product(x.o), product(x.gate_up), product(x.down))
 
     @staticmethod
-    def _check(x: DenseLayer, heads: int, kv_heads: int, head_dim: int) -> None:
+    def _check(x: DenseLayer, heads: int, kv_heads: int, head_dim: int,
+               kv_dtype: torch.dtype) -> None:
         """The shapes the C code trusts."""
         hidden = x.norm1.shape[0]
         for t in (x.norm1, x.norm2, x.kv):
-            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+            assert t.is_contiguous() and t.device.type == "cpu"
+        assert x.norm1.dtype == x.norm2.dtype == torch.float32 and x.kv.dtype == kv_dtype
         assert x.qkv.weight.in_features == x.gate_up.weight.in_features == hidden
         assert x.qkv.weight.out_features == (heads + 2 * kv_heads) * head_dim
         assert x.o.weight.in_features == heads * head_dim and x.o.weight.out_features == hidden

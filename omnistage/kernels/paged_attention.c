@@ -15,11 +15,16 @@
  *   query's 16 scores are broadcast FMAs; online softmax; spans past a row's position are
  *   never computed (the causal half of the work is skipped, not masked).
  *
- * Layouts (float32; contiguous except where said):
+ * The cache holds float32, or bfloat16 when built with KV_BF16 (kv_cache_dtype=bfloat16): K
+ * and V rows are widened to float32 as they are loaded (exact), and rope_write rounds the new
+ * rows to nearest-even as it stores them (as torch's .to(torch.bfloat16) does); every other
+ * value stays float32.
+ *
+ * Layouts (float32 unless said; contiguous except where said):
  *   q      (T, Hkv * GROUP, HEAD_DIM)   query heads h*GROUP .. h*GROUP+GROUP-1 share KV head h;
  *                                        row t starts at q + t * q_stride (rows may be views
  *                                        into a wider projection output)
- *   kv     (2, Hkv, num_blocks, BLOCK, HEAD_DIM)   K planes, then V planes
+ *   kv     (2, Hkv, num_blocks, BLOCK, HEAD_DIM)   K planes, then V planes (kv_t)
  *   tables (N, width) int64              block ids of each context, padded past its end
  *   out    (T, Hkv * GROUP, HEAD_DIM)   contiguous
  *
@@ -44,6 +49,18 @@
 
 #define CHUNKS (HEAD_DIM / LANES)
 
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+static inline vf load_kv(const kv_t *p) { return load_bf16(p); }
+static inline float kv_float(kv_t x) { return bf16_float(x); }
+static inline kv_t kv_store(float x) { return float_bf16(x); }
+#else
+typedef float kv_t;
+static inline vf load_kv(const kv_t *p) { return load(p); }
+static inline float kv_float(kv_t x) { return x; }
+static inline kv_t kv_store(float x) { return x; }
+#endif
+
 /* Lane t of the result is the sum of the lanes of a[t]. */
 static inline vf sum_lanes16(const vf a[16]) {
     vf b[8], c[4], d[2];
@@ -61,8 +78,8 @@ static inline vf sum_lanes16(const vf a[16]) {
 }
 
 /* One (sequence, KV head): GROUP queries over `len` keys. `s` holds GROUP * padded scores. */
-static void attend(const float *restrict q, const float *restrict k_plane,
-                   const float *restrict v_plane, const int64_t *restrict table, int64_t len,
+static void attend(const float *restrict q, const kv_t *restrict k_plane,
+                   const kv_t *restrict v_plane, const int64_t *restrict table, int64_t len,
                    float scale, float *restrict s, float *restrict out) {
     const int64_t padded = (len + LANES - 1) / LANES * LANES;
     const int64_t spans = padded / LANES;             /* 16-key spans of the context */
@@ -74,12 +91,12 @@ static void attend(const float *restrict q, const float *restrict k_plane,
     /* Scores: span i covers keys 16i .. 16i+15 of block table[16i / BLOCK]. */
     for (int64_t i = 0; i < spans; i++) {
         const int64_t key0 = i * LANES;
-        const float *kb = k_plane + (table[key0 / BLOCK] * BLOCK + key0 % BLOCK) * HEAD_DIM;
+        const kv_t *kb = k_plane + (table[key0 / BLOCK] * BLOCK + key0 % BLOCK) * HEAD_DIM;
         for (int g = 0; g < GROUP; g++) {
             vf acc[LANES];
             for (int t = 0; t < LANES; t++) {
-                vf a = qv[g][0] * load(kb + t * HEAD_DIM);
-                for (int c = 1; c < CHUNKS; c++) a += qv[g][c] * load(kb + t * HEAD_DIM + c * LANES);
+                vf a = qv[g][0] * load_kv(kb + t * HEAD_DIM);
+                for (int c = 1; c < CHUNKS; c++) a += qv[g][c] * load_kv(kb + t * HEAD_DIM + c * LANES);
                 acc[t] = a;
             }
             vf sc = sum_lanes16(acc);
@@ -105,9 +122,9 @@ static void attend(const float *restrict q, const float *restrict k_plane,
     for (int g = 0; g < GROUP; g++)
         for (int c = 0; c < CHUNKS; c++) o[g][c] = (vf){};
     for (int64_t t = 0; t < len; t++) {
-        const float *vt = v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM;
+        const kv_t *vt = v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM;
         vf v[CHUNKS];
-        for (int c = 0; c < CHUNKS; c++) v[c] = load(vt + c * LANES);
+        for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vt + c * LANES);
         for (int g = 0; g < GROUP; g++) {
             const vf p = splat(s[g * padded + t]);
             for (int c = 0; c < CHUNKS; c++) o[g][c] += p * v[c];
@@ -120,10 +137,11 @@ static void attend(const float *restrict q, const float *restrict k_plane,
 /* Decodes: sequence b's query is row b of q, its context lens[b] keys (>= 1) in the blocks of
  * tables row b. Returns 0, or -1 when a thread could not allocate its score buffer (out is
  * then undefined). */
-int paged_decode_f32(const float *restrict q, int64_t q_stride, const float *restrict kv,
+int paged_decode_f32(const float *restrict q, int64_t q_stride, const void *kv_cache,
                      const int64_t *restrict tables, const int64_t *restrict lens,
                      float *restrict out, int64_t batch, int64_t kv_heads, int64_t num_blocks,
                      int64_t width, float scale) {
+    const kv_t *kv = kv_cache;
     const int64_t plane = num_blocks * BLOCK * HEAD_DIM;
     const int64_t tasks = batch * kv_heads;
     int failed = 0;
@@ -176,8 +194,8 @@ typedef struct {                      /* one thread's scratch */
  * row and KV head h's first query head, rows `row_stride` / `out_stride` apart) against keys
  * 0 .. pos0 + rows - 1 in the blocks of `table`. */
 static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride, int64_t rows,
-                         int64_t pos0, const float *restrict k_plane,
-                         const float *restrict v_plane, const int64_t *restrict table,
+                         int64_t pos0, const kv_t *restrict k_plane,
+                         const kv_t *restrict v_plane, const int64_t *restrict table,
                          float scale, float *restrict out, int64_t out_stride) {
     for (int64_t r = 0; r < rows; r++)
         for (int g = 0; g < GROUP; g++) {
@@ -191,9 +209,9 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
     const int64_t last = pos0 + rows - 1;
     for (int64_t k0 = 0; k0 <= last; k0 += LANES) {
         const int64_t at = (table[k0 / BLOCK] * BLOCK + k0 % BLOCK) * HEAD_DIM;
-        const float *kb = k_plane + at, *vb = v_plane + at;
+        const kv_t *kb = k_plane + at, *vb = v_plane + at;
         for (int t = 0; t < LANES; t++)
-            for (int d = 0; d < HEAD_DIM; d++) w->kt[d][t] = kb[t * HEAD_DIM + d];
+            for (int d = 0; d < HEAD_DIM; d++) w->kt[d][t] = kv_float(kb[t * HEAD_DIM + d]);
         /* Rows before position k0 see none of this span. */
         for (int64_t r = k0 > pos0 ? k0 - pos0 : 0; r < rows; r++) {
             const int64_t seen = pos0 + r - k0 + 1;     /* keys of the span row r sees */
@@ -228,7 +246,7 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
             }
             for (int t = 0; t < valid; t++) {
                 vf v[CHUNKS];
-                for (int c = 0; c < CHUNKS; c++) v[c] = load(vb + t * HEAD_DIM + c * LANES);
+                for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * LANES);
                 for (int g = 0; g < GROUP; g++)
                     for (int c = 0; c < CHUNKS; c++) o[g][c] += p[g][t] * v[c];
             }
@@ -249,11 +267,12 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
  * sees ctx_lens[i] keys, so token r sits at position ctx_lens[i] - q_lens[i] + r and sees keys
  * 0 .. that position, in the blocks of tables row i (the chunk's own K and V already written
  * there). Returns 0, or -1 when memory for the work list or scratch could not be had. */
-int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *restrict kv,
+int paged_prefill_f32(const float *restrict q, int64_t q_stride, const void *kv_cache,
                       const int64_t *restrict tables, const int64_t *restrict q_starts,
                       const int64_t *restrict q_lens, const int64_t *restrict ctx_lens,
                       float *restrict out, int64_t chunks, int64_t kv_heads,
                       int64_t num_blocks, int64_t width, float scale) {
+    const kv_t *kv = kv_cache;
     const int64_t plane = num_blocks * BLOCK * HEAD_DIM;
     const int64_t out_stride = kv_heads * GROUP * HEAD_DIM;
     int64_t n = 0;
@@ -306,7 +325,8 @@ int paged_prefill_f32(const float *restrict q, int64_t q_stride, const float *re
  * two indexed writes); every element's arithmetic depends only on its own token. */
 void rope_write_f32(float *restrict qkv, int64_t ld, const float *restrict cos,
                     const float *restrict sin, int64_t cs_stride, const int64_t *restrict slots,
-                    float *restrict kv, int64_t tokens, int64_t kv_heads, int64_t num_blocks) {
+                    void *kv_cache, int64_t tokens, int64_t kv_heads, int64_t num_blocks) {
+    kv_t *kv = kv_cache;
     const int64_t plane = num_blocks * BLOCK * HEAD_DIM, rotated = kv_heads * (GROUP + 1);
     enum { HALF = HEAD_DIM / 2 };
     #pragma omp parallel for schedule(static) if (tokens > 64)
@@ -325,9 +345,12 @@ void rope_write_f32(float *restrict qkv, int64_t ld, const float *restrict cos,
         }
         const float *k = row + kv_heads * GROUP * HEAD_DIM, *v = k + kv_heads * HEAD_DIM;
         for (int64_t h = 0; h < kv_heads; h++) {
-            memcpy(kv + h * plane + slots[t] * HEAD_DIM, k + h * HEAD_DIM, HEAD_DIM * sizeof(float));
-            memcpy(kv + (kv_heads + h) * plane + slots[t] * HEAD_DIM, v + h * HEAD_DIM,
-                   HEAD_DIM * sizeof(float));
+            kv_t *kd = kv + h * plane + slots[t] * HEAD_DIM;
+            kv_t *vd = kv + (kv_heads + h) * plane + slots[t] * HEAD_DIM;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                kd[d] = kv_store(k[h * HEAD_DIM + d]);
+                vd[d] = kv_store(v[h * HEAD_DIM + d]);
+            }
         }
     }
 }

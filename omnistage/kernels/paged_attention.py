@@ -1,7 +1,8 @@
 """Attention over the paged KV cache as native calls, one per layer for all decodes and one
 for all prefill chunks of a step (paged_attention.c). The C kernels read K and V where they
 lie in their blocks, instead of gathering contexts into buffers first as the PyTorch path
-does: ~3x faster on CPU for decodes, ~2x for prefill (causal tiles are skipped, not masked)."""
+does: ~3x faster on CPU for decodes, ~2x for prefill (causal tiles are skipped, not masked).
+Queries and outputs are float32; the cache float32 or bfloat16 (`kv_cache_dtype`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,20 @@ from omnistage.kernels.build import build_library
 SOURCE = Path(__file__).with_name("paged_attention.c")
 
 
-def unsupported_reason(device: torch.device, dtype: torch.dtype, num_heads: int,
-                       num_kv_heads: int, head_dim: int, block_size: int) -> str | None:
-    """Why the kernels cannot serve this cache (None: they can)."""
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                       num_heads: int, num_kv_heads: int, head_dim: int,
+                       block_size: int) -> str | None:
+    """Why the kernels cannot serve a model computing in `dtype` over a `kv_dtype` cache
+    (None: they can)."""
     if device.type != "cpu":
         return f"they run on CPUs (the cache is on {device})"
     if dtype != torch.float32:
-        return f"they read float32 caches (this one is {str(dtype).removeprefix('torch.')})"
+        return f"they compute in float32 (this model in {str(dtype).removeprefix('torch.')})"
+    if kv_dtype not in CACHE_DTYPES:
+        return f"they read float32 or bfloat16 caches (this one is {str(kv_dtype).removeprefix('torch.')})"
     if head_dim % 16 or block_size % 16:
         return f"head_dim ({head_dim}) and block_size ({block_size}) must be multiples of 16"
     if num_heads % num_kv_heads:
@@ -32,11 +40,15 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, num_heads: int,
 class PagedAttentionKernel:
     """The kernels compiled for one model's attention shape (see paged_attention.c)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 kv_dtype: torch.dtype = torch.float32):
+        assert kv_dtype in CACHE_DTYPES
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size = block_size
-        lib = ctypes.CDLL(str(build_library(SOURCE, {
-            "HEAD_DIM": head_dim, "GROUP": num_heads // num_kv_heads, "BLOCK": block_size})))
+        self.block_size, self.kv_dtype = block_size, kv_dtype
+        defines = {"HEAD_DIM": head_dim, "GROUP": num_heads // num_kv_heads, "BLOCK": block_size}
+        if kv_dtype == torch.bfloat16:
+            defines["KV_BF16"] = 1
+        lib = ctypes.CDLL(str(build_library(SOURCE, defines)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._decode = lib.paged_decode_f32
         self._decode.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, ctypes.c_float]
@@ -111,5 +123,5 @@ class PagedAttentionKernel:
         return q
 
     def _check_cache(self, kv: torch.Tensor) -> None:
-        assert kv.is_contiguous() and kv.dtype == torch.float32
+        assert kv.is_contiguous() and kv.dtype == self.kv_dtype
         assert kv.shape[1] == self.num_kv_heads and kv.shape[3:] == (self.block_size, self.head_dim)

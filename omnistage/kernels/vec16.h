@@ -13,6 +13,21 @@ typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+/* bfloat16 is float32's upper half: widening is a shift (exact); narrowing rounds to nearest,
+ * ties to even, as torch rounds (bit for bit), and any NaN to a quiet NaN. */
+typedef uint16_t vh16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+static inline vf load_bf16(const uint16_t *p) {
+    vh16 h; __builtin_memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+static inline float bf16_float(uint16_t x) {
+    const uint32_t u = (uint32_t)x << 16; float f; __builtin_memcpy(&f, &u, sizeof f); return f;
+}
+static inline uint16_t float_bf16(float f) {
+    uint32_t u; __builtin_memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
 static inline vf splat(float x) { return (vf){} + x; }
 static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }

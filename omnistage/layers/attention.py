@@ -11,6 +11,11 @@ chunks (prompt positions, or several positions recomputed after preemption). Wit
 native call per layer and the prefill chunks another, both reading the blocks in place
 (`NativeBatches`). Otherwise decodes run in PyTorch, gathered per `DecodeGroup`, and each
 prefill chunk through SDPA (`PrefillSpan`).
+
+The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`, e.g.
+bfloat16 under a float32 model): K and V are rounded to it as they are written and widened as
+they are read, and a chunk attending to its own new keys uses the rounded values too, so a
+token's attention is the same whether its keys came from this step or from the cache.
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ class KVCache:
         """k, v: (T, Hkv, D) written at flat slots (T,)."""
         _, hkv, nb, bs, d = self.kv.shape
         flat = self.kv.view(2, hkv, nb * bs, d)
-        flat[0, :, slot_mapping] = k.transpose(0, 1)
-        flat[1, :, slot_mapping] = v.transpose(0, 1)
+        flat[0, :, slot_mapping] = k.transpose(0, 1).to(self.kv.dtype)
+        flat[1, :, slot_mapping] = v.transpose(0, 1).to(self.kv.dtype)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.kv[:, :, dst] = self.kv[:, :, src]
@@ -149,6 +154,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """The PyTorch path. q: (T, Hq, D); k, v: (T, Hkv, D) for the new tokens, rotated.
     Returns (T, Hq, D)."""
     cache.write(k, v, meta.slot_mapping)
+    if cache.kv.dtype != q.dtype:       # attend to the keys as stored (see the module doc)
+        k, v = k.to(cache.kv.dtype).to(q.dtype), v.to(cache.kv.dtype).to(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.size)
@@ -167,6 +174,7 @@ def _decode(q: torch.Tensor, cache: KVCache, group: DecodeGroup, scale: float,
     hkv = cache.kv.shape[1]
     g = hq // hkv
     k, v = cache.gather(group.block_tables, bd, workspace)      # (Hkv, Bd, L, D) each
+    k, v = k.to(q.dtype), v.to(q.dtype)                          # no copy unless narrower
     qh = q.view(bd, hkv, g, d).transpose(0, 1).reshape(hkv * bd, g, d)
     k = k.reshape(hkv * bd, -1, d)
     # scale * q.k + (0 | -inf): one fused call.
@@ -184,7 +192,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
         mask, causal = None, True
     else:
         keys, values = cache.gather(span.block_table, 1, workspace)
-        keys, values = keys[:, 0, :span.ctx_len], values[:, 0, :span.ctx_len]
+        keys = keys[:, 0, :span.ctx_len].to(q.dtype)
+        values = values[:, 0, :span.ctx_len].to(q.dtype)
         # Query i sits at absolute position ctx_len - q_len + i and sees keys j <= that.
         offset = span.ctx_len - span.q_len
         qpos = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset

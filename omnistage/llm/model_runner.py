@@ -49,7 +49,7 @@ def _padded(tables: list[list[int]]) -> list[list[int]]:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0,
-                 kernel: PagedAttentionKernel | None = None):
+                 kernel: PagedAttentionKernel | None = None, kv_dtype: torch.dtype | None = None):
         self.model = model
         # Native attention (two calls per layer, blocks read in place), or None: the PyTorch
         # path, which gathers contexts.
@@ -57,7 +57,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         num_layers, num_kv_heads, head_dim = model.kv_shape
-        self.caches = [KVCache(num_kv_heads, num_blocks, block_size, head_dim, dtype, device)
+        # K and V are stored in kv_dtype (default: the model's); attention computes in dtype.
+        self.kv_dtype = kv_dtype or dtype
+        self.caches = [KVCache(num_kv_heads, num_blocks, block_size, head_dim, self.kv_dtype, device)
                        for _ in range(num_layers)]
         self.dtype = dtype
         self._gather_buffer: torch.Tensor | None = None
@@ -173,7 +175,7 @@ class ModelRunner:
         if need == 0:
             return None
         if self._gather_buffer is None or self._gather_buffer.numel() < need:
-            self._gather_buffer = torch.empty(need, dtype=self.dtype, device=self.device)
+            self._gather_buffer = torch.empty(need, dtype=self.kv_dtype, device=self.device)
         return self._gather_buffer
 
     def _decode_groups(self, tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:

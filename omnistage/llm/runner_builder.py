@@ -42,11 +42,12 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
     """Pack `model`'s linear layers for the chosen kernel, size the KV pool and build the
     runner over it. `model` is loaded already, in its serving dtype, on config's device."""
     device, dtype = config.torch_device, next(model.parameters()).dtype
+    kv_dtype = config.kv_torch_dtype(dtype)
     linear = choose_linear_kernel(config, model, device, dtype)
-    kv = kv_cache_config(config, model, dtype)
-    attention = attention_kernel(config, model, device, dtype)
+    kv = kv_cache_config(config, model, kv_dtype)
+    attention = attention_kernel(config, model, device, dtype, kv_dtype)
     runner = ModelRunner(model, kv.num_blocks, kv.block_size, dtype, device, eos_ids,
-                         config.seed, attention)
+                         config.seed, attention, kv_dtype)
     if linear.startswith("native") and attention is not None:
         # Native linears and attention: the layer loop can run in C as well (one call a step).
         if model.use_native_stack(attention, runner.caches):
@@ -79,7 +80,7 @@ def choose_linear_kernel(config: EngineConfig, model: torch.nn.Module, device: t
 
 
 def attention_kernel(config: EngineConfig, model: torch.nn.Module, device: torch.device,
-                     dtype: torch.dtype) -> PagedAttentionKernel | None:
+                     dtype: torch.dtype, kv_dtype: torch.dtype) -> PagedAttentionKernel | None:
     """The native attention kernels where they serve (built on first use), else None: the
     PyTorch path. `auto` falls back (and logs why) when they do not serve or build."""
     want = config.attention_kernel
@@ -89,15 +90,15 @@ def attention_kernel(config: EngineConfig, model: torch.nn.Module, device: torch
     heads = model.config.num_attention_heads
     kernel, why = pick_native(
         "attention_kernel", want,
-        unsupported_reason(device, dtype, heads, kv_heads, head_dim, config.block_size),
-        lambda: PagedAttentionKernel(heads, kv_heads, head_dim, config.block_size),
+        unsupported_reason(device, dtype, kv_dtype, heads, kv_heads, head_dim, config.block_size),
+        lambda: PagedAttentionKernel(heads, kv_heads, head_dim, config.block_size, kv_dtype),
         "auto or torch")
     if kernel is None:
         log.info("attention in PyTorch: the native kernels do not serve here (%s)", why)
     return kernel
 
 
-def kv_cache_config(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype) -> KVCacheConfig:
+def kv_cache_config(config: EngineConfig, model: torch.nn.Module, kv_dtype: torch.dtype) -> KVCacheConfig:
     """Every seat filled to the full context, within `kv_cache_memory_gb` (or exactly
     `num_kv_blocks`); at least one full-length sequence must fit."""
     limit = model.config.max_position_embeddings
@@ -108,7 +109,7 @@ def kv_cache_config(config: EngineConfig, model: torch.nn.Module, dtype: torch.d
             param="max_model_len")
     bs = config.block_size
     layers, kv_heads, head_dim = model.kv_shape
-    block_bytes = 2 * layers * kv_heads * head_dim * bs * torch.empty((), dtype=dtype).element_size()
+    block_bytes = 2 * layers * kv_heads * head_dim * bs * kv_dtype.itemsize
     one_seq = -(-max_len // bs) + 1   # +1: a copy-on-write spare
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks

@@ -15,11 +15,11 @@ from omnistage.layers.rotary import RotaryEmbedding
 needs_cc = pytest.mark.usefixtures("c_compiler")
 
 
-def _case(hq, hkv, d, bs, lens, seed, spread=1.0):
+def _case(hq, hkv, d, bs, lens, seed, spread=1.0, kv_dtype=torch.float32):
     """A cache with each sequence's blocks scattered over the pool, and strided queries."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // bs) for n in lens) + 5
-    cache = KVCache(hkv, num_blocks, bs, d, torch.float32, torch.device("cpu"))
+    cache = KVCache(hkv, num_blocks, bs, d, kv_dtype, torch.device("cpu"))
     cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, k = [], 0
@@ -61,31 +61,34 @@ def _decode_reference(cache, tables, lens, q, scale):
 
 
 SHAPES = [(4, 2, 16, 16), (8, 2, 64, 16), (7, 1, 32, 32), (2, 2, 128, 16), (12, 4, 48, 48)]
+# (shape, cache dtype): every shape over a float32 cache, two over a bfloat16 one (read
+# widened: the reference sees the same stored values).
+CASES = [(*s, torch.float32) for s in SHAPES] + [(*s, torch.bfloat16) for s in SHAPES[1:3]]
 
 
 @needs_cc
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-def test_decode_matches_attention(hq, hkv, d, bs):
+@pytest.mark.parametrize("hq,hkv,d,bs,kv_dtype", CASES)
+def test_decode_matches_attention(hq, hkv, d, bs, kv_dtype):
     # Lengths on and around block and 16-key boundaries, a single key, and long contexts.
     lens = [1, 2, 15, 16, 17, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 777]
-    cache, tables, q = _case(hq, hkv, d, bs, lens, seed=hq * 100 + d)
-    kernel = PagedAttentionKernel(hq, hkv, d, bs)
+    cache, tables, q = _case(hq, hkv, d, bs, lens, seed=hq * 100 + d, kv_dtype=kv_dtype)
+    kernel = PagedAttentionKernel(hq, hkv, d, bs, kv_dtype)
     scale = d ** -0.5
     got = _decode(kernel, cache, tables, lens, q, scale)
     torch.testing.assert_close(got, _decode_reference(cache, tables, lens, q, scale), atol=3e-6, rtol=1e-5)
 
 
 @needs_cc
-@pytest.mark.parametrize("hq,hkv,d,bs", SHAPES)
-def test_prefill_matches_attention(hq, hkv, d, bs):
+@pytest.mark.parametrize("hq,hkv,d,bs,kv_dtype", CASES)
+def test_prefill_matches_attention(hq, hkv, d, bs, kv_dtype):
     """Chunks of one step side by side: whole prompts (context = chunk) and later chunks
     over a cached prefix, lengths around tile (16) and block boundaries."""
     chunks = [(2, 2), (16, 16), (17, 17), (33, 33 + bs), (5, 300), (40, 41), (100, 100), (3, 777)]
-    cache, tables, _ = _case(hq, hkv, d, bs, [ctx for _, ctx in chunks], seed=hq + d)
+    cache, tables, _ = _case(hq, hkv, d, bs, [ctx for _, ctx in chunks], seed=hq + d, kv_dtype=kv_dtype)
     starts = [sum(n for n, _ in chunks[:i]) + 3 for i in range(len(chunks))]  # 3 decode rows first
     wide = torch.randn(starts[-1] + chunks[-1][0], (hq + 2) * d, generator=torch.Generator().manual_seed(9))
     q = wide[:, :hq * d].view(-1, hq, d)
-    kernel = PagedAttentionKernel(hq, hkv, d, bs)
+    kernel = PagedAttentionKernel(hq, hkv, d, bs, kv_dtype)
     out = torch.full(q.shape, float("nan"))
     kernel.prefill(q, cache.kv, _padded(tables), torch.tensor(starts), torch.tensor([n for n, _ in chunks]),
                    torch.tensor([c for _, c in chunks]), out, d ** -0.5)
@@ -113,12 +116,14 @@ def test_kernels_with_peaked_scores():
 
 
 def test_unsupported_reasons():
-    cpu, f32 = torch.device("cpu"), torch.float32
-    assert unsupported_reason(cpu, f32, 8, 2, 64, 16) is None
-    assert "float32" in unsupported_reason(cpu, torch.bfloat16, 8, 2, 64, 16)
-    assert "block_size" in unsupported_reason(cpu, f32, 8, 2, 64, 8)
-    assert "head_dim" in unsupported_reason(cpu, f32, 8, 2, 40, 16)
-    assert "CPUs" in unsupported_reason(torch.device("meta"), f32, 8, 2, 64, 16)
+    cpu, f32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    assert unsupported_reason(cpu, f32, f32, 8, 2, 64, 16) is None
+    assert unsupported_reason(cpu, f32, bf16, 8, 2, 64, 16) is None
+    assert "compute in float32" in unsupported_reason(cpu, bf16, bf16, 8, 2, 64, 16)
+    assert "float32 or bfloat16 caches" in unsupported_reason(cpu, f32, torch.float16, 8, 2, 64, 16)
+    assert "block_size" in unsupported_reason(cpu, f32, f32, 8, 2, 64, 8)
+    assert "head_dim" in unsupported_reason(cpu, f32, f32, 8, 2, 40, 16)
+    assert "CPUs" in unsupported_reason(torch.device("meta"), f32, f32, 8, 2, 64, 16)
 
 
 
@@ -166,10 +171,12 @@ def test_prompt_rows_do_not_depend_on_chunking(tiny_qwen2, budget, random_prompt
 
 
 @needs_cc
-@pytest.mark.parametrize("mrope", [False, True])
-def test_rope_write_matches_torch(mrope):
+@pytest.mark.parametrize("mrope,kv_dtype", [(False, torch.float32), (True, torch.float32),
+                                            (False, torch.bfloat16)])
+def test_rope_write_matches_torch(mrope, kv_dtype):
     """The native RoPE + cache write equals RotaryEmbedding.apply and KVCache.write: rotated
-    q and k heads in place, k and v at their slots, every other slot untouched."""
+    q and k heads in place, k and v at their slots (a bfloat16 cache: rounded as torch rounds,
+    bit for bit), every other slot untouched."""
     hq, hkv, d, bs, t = 8, 2, 64, 16, 37
     g = torch.Generator().manual_seed(5)
     rope = RotaryEmbedding(d, 512, 10000.0, "cpu", (8, 12, 12) if mrope else None)
@@ -178,12 +185,23 @@ def test_rope_write_matches_torch(mrope):
     cos_sin = rope.lookup(positions, torch.float32)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
     slots = torch.randperm(10 * bs, generator=g)[:t]
-    ref_cache = KVCache(hkv, 10, bs, d, torch.float32, torch.device("cpu"))
+    ref_cache = KVCache(hkv, 10, bs, d, kv_dtype, torch.device("cpu"))
     ref_cache.kv.copy_(torch.randn(ref_cache.kv.shape, generator=g))
-    cache = KVCache(hkv, 10, bs, d, torch.float32, torch.device("cpu"))
+    cache = KVCache(hkv, 10, bs, d, kv_dtype, torch.device("cpu"))
     cache.kv.copy_(ref_cache.kv)
     qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos_sin)
-    ref_cache.write(qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d), slots)
-    PagedAttentionKernel(hq, hkv, d, bs).rope_write(qkv, *cos_sin, slots, cache.kv)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    if kv_dtype == torch.bfloat16:   # ties and NaN: the rounding's edge cases
+        v[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), -float("inf")])
+    ref_cache.write(qk[:, hq:], v, slots)
+    PagedAttentionKernel(hq, hkv, d, bs, kv_dtype).rope_write(qkv, *cos_sin, slots, cache.kv)
     torch.testing.assert_close(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), qk, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(cache.kv, ref_cache.kv, atol=1e-6, rtol=1e-6)
+    if kv_dtype == torch.bfloat16:
+        # k is rotated in the same float32 arithmetic by both, except for rounding of the
+        # products: a last-bit difference in float32 may move a bfloat16 rounding by 1 ulp.
+        got, ref = cache.kv[1], ref_cache.kv[1]
+        assert torch.equal(got.isnan(), ref.isnan()) and got.isnan().sum() == 1
+        assert torch.equal(got.nan_to_num(0).view(torch.int16), ref.nan_to_num(0).view(torch.int16))
+        torch.testing.assert_close(cache.kv[0], ref_cache.kv[0], atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(cache.kv, ref_cache.kv, atol=1e-6, rtol=1e-6)
