@@ -1,4 +1,6 @@
-"""A Qwen2 HF folder (the benchmark checkpoints) as a float32 GGUF file for llama.cpp.
+"""A Qwen2 HF folder (the benchmark checkpoints, the tests' tiny ones) as a GGUF file: float32
+for llama.cpp (which quantizes it with its own tool), or q8_0 / q4_0 written here with gguf-py's
+reference quantizers (the tests' pre-quantized checkpoints).
 
 llama.cpp's own convert_hf_to_gguf.py refuses our tokenizer: it recognises a BPE
 pre-tokenizer by hashing its output on a fixed text against a list of published models, and
@@ -43,16 +45,24 @@ def gguf_name(hf_name: str) -> str | None:
     raise ValueError(f"no GGUF name for tensor {hf_name!r}")
 
 
-def export(model_dir: Path, out: Path, gguf: ModuleType) -> Path:
-    """Write `model_dir` (a Qwen2 HF folder, float weights) to `out` as float32 GGUF."""
+# file type -> (gguf's LlamaFileType member, the quantization type of 2-D weights)
+FILE_TYPES = {"f32": ("ALL_F32", "F32"), "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+              "q4_0": ("MOSTLY_Q4_0", "Q4_0"), "q4_1": ("MOSTLY_Q4_1", "Q4_1")}
+
+
+def export(model_dir: Path, out: Path, gguf: ModuleType, file_type: str = "f32") -> Path:
+    """Write `model_dir` (a Qwen2 HF folder, float weights) to `out` as GGUF, its matrices
+    (the embedding table included) in `file_type`, the rest float32."""
     from safetensors.torch import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("model_type") != "qwen2":
         raise ValueError(f"{model_dir}: model_type {cfg.get('model_type')!r}, this writes qwen2 only")
+    ftype, qtype = FILE_TYPES[file_type]
+    qtype = gguf.GGMLQuantizationType[qtype]
     w = gguf.GGUFWriter(str(out), "qwen2")
     w.add_name(model_dir.name)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType[ftype])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -67,7 +77,11 @@ def export(model_dir: Path, out: Path, gguf: ModuleType) -> Path:
         for name, t in load_file(file).items():
             if tied and name == "lm_head.weight":
                 continue
-            w.add_tensor(gguf_name(name), t.to(torch.float32).numpy())
+            values = t.to(torch.float32).numpy()
+            if t.dim() == 2 and qtype != gguf.GGMLQuantizationType.F32:
+                w.add_tensor(gguf_name(name), gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            else:
+                w.add_tensor(gguf_name(name), values)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,3 +108,6 @@ def _add_tokenizer(w, model_dir: Path, cfg: dict, gguf: ModuleType) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg.get("bos_token_id") or 0)
     w.add_eos_token_id(cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], int) else cfg["eos_token_id"][0])
+    template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:
+        w.add_chat_template(template)

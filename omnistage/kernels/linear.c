@@ -4,13 +4,15 @@
  *   f32   float32
  *   bf16  bfloat16, widened to float32 in registers (a shift: exact)
  *   i8    int8 with one float32 scale per output column (symmetric, weight-only)
+ *   i8g   int8 with one float32 scale per (group of `group` inputs, output column)
+ *         (GGUF's q8_0 at group 32: w = q * scale)
  *   i4    4-bit with one float32 scale per (group of `group` inputs, output column)
  *         (symmetric like GGUF's q4_0: w = (u - 8) * scale, u in 0..15)
  *
  * Layout: the (N, K) weight is cut into ceil(N/64) panels of 64 output columns; panel j holds
  * K rows of 64 weights (P[j][k][c] = W[64j + c][k], zero past N). An i4 panel row is 32 bytes:
  * byte c holds column c in its low nibble and column c + 32 in its high one. Scales are per
- * panel too (zero past N): i8 (num_panels, 64), i4 (num_panels, ceil(K / group), 64).
+ * panel too (zero past N): i8 (num_panels, 64), i4 and i8g (num_panels, ceil(K / group), 64).
  * One layout serves both regimes:
  * - one row reads every panel front to back, one sequential stream per thread: a
  *   matrix-vector product at memory speed; narrower weights are fewer bytes to stream;
@@ -19,7 +21,7 @@
  *
  * Batch invariance: every output element is one chain of fused multiply-adds over k = 0..K-1
  * in order (with the weight as dequantized in registers: exact for f32 and bf16, (u - 8) * s
- * rounded once for i4), then * column scale (i8) and + bias in one FMA, whatever the number
+ * rounded once for i4, q * s rounded once for i8g), then * column scale (i8) and + bias in one FMA, whatever the number
  * of rows, the tile it falls in or the threads. A row's result is therefore bit-identical alone
  * or inside any batch, so a request's tokens do not depend on what it is batched with (the build
  * passes -ffp-contract=fast, so `acc += a*b` is one FMA everywhere).
@@ -69,9 +71,11 @@ typedef float f32_t;
 typedef uint16_t bf16_t;
 typedef int8_t i8_t;
 typedef uint8_t i4_t;
+typedef int8_t i8g_t;
 #define f32_ROW PANEL              /* elements per panel row */
 #define bf16_ROW PANEL
 #define i8_ROW PANEL
+#define i8g_ROW PANEL
 #define i4_ROW (PANEL / 2)
 static inline vf w_f32(const f32_t *row, int c, vf s, vf o) {
     (void)s; (void)o; return load(row + c);
@@ -95,6 +99,9 @@ static inline vi widen_i8(const i8_t *p) {
 }
 static inline vf w_i8(const i8_t *row, int c, vf s, vf o) {
     (void)s; (void)o; return __builtin_convertvector(widen_i8(row + c), vf);
+}
+static inline vf w_i8g(const i8g_t *row, int c, vf s, vf o) {
+    (void)o; return __builtin_convertvector(widen_i8(row + c), vf) * s;
 }
 static inline vi widen_u8(const i4_t *p) {
 #if LANES == 16 && defined(__AVX512F__)
@@ -130,7 +137,7 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
     v##2 = load((src) + (c) + 2 * LANES); v##3 = load((src) + (c) + 3 * LANES);
 
 /* Rows [0..R) x columns [cb..cb+BLOCK) of one panel: y = x . panel, * column scale (cs, or
- * NULL), + bias (or NULL); R rows of x at stride ldx; group scales gs (i4) or NULL, with
+ * NULL), + bias (or NULL); R rows of x at stride ldx; group scales gs (i4, i8g) or NULL, with
  * groups of G inputs (G = K when there are none). y points at column cb of row 0. */
 #define TILE(W, R, PF) \
 static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
@@ -171,7 +178,7 @@ static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
 #endif
 
-/* x (M, K) rows at stride ldx; panels, group scales (i4: groups of `group` inputs) and column
+/* x (M, K) rows at stride ldx; panels, group scales (i4, i8g: groups of `group` inputs) and column
  * scales (i8) as above, NULL where the format has none; bias (N) or NULL; y (M, N) rows at
  * stride ldy. Work items panel-major: a thread's consecutive items share a panel, which stays
  * in L2 while the tiles of x stream past it. The last, partial panel is computed whole into
@@ -213,3 +220,4 @@ LINEAR(f32)
 LINEAR(bf16)
 LINEAR(i8)
 LINEAR(i4)
+LINEAR(i8g)

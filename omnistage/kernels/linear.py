@@ -1,7 +1,7 @@
 """Linear layers as native calls over weights packed in 64-column panels (linear.c): one
 layout that streams at memory speed for a single row and runs a register-tiled GEMM for many,
 with every row's result independent of the batch around it. Weights are float32, bfloat16,
-int8 or int4 (weight_pack.py); activations and results float32."""
+int8 (per channel or per group) or int4 (weight_pack.py); activations and results float32."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
 _SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
-            "int4": "linear_i4"}
+            "int4": "linear_i4", "int8g": "linear_i8g"}
 _X86 = ("x86_64", "amd64", "i386", "i686")
 
 

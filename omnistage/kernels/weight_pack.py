@@ -1,11 +1,14 @@
 """Weights in the native linear kernel's layout (linear.c): 64-column panels of float32,
-bfloat16, int8 (one scale per output column) or int4 (one scale per group of inputs and
-output column). Packing and quantizing happen once, at load, from a float (in, out) weight.
+bfloat16, int8 (one scale per output column), int4 or int8g (one scale per group of inputs and
+output column). Packing and quantizing happen once, at load: from a float (in, out) weight
+(`pack`), or from codes and scales quantized elsewhere (`pack_codes`: a GGUF q4_0 / q8_0
+tensor, kept exactly).
 
 Quantization is symmetric and weight-only (activations stay float32):
 - int8: scale = max |w| of the column / 127, q = round(w / scale) in -127..127;
 - int4: per group of `group_size` inputs, scale = -(the signed weight of largest magnitude) / 8
-  (as GGUF's q4_0), q = round(w / scale) in -8..7, stored as q + 8 in a nibble.
+  (as GGUF's q4_0), q = round(w / scale) in -8..7, stored as q + 8 in a nibble;
+- int8g: per group, scale = max |w| / 127, q = round(w / scale) (as GGUF's q8_0).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 PANEL = 64                    # output columns per panel (linear.c)
-FORMATS = ("float32", "bfloat16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "int8", "int4", "int8g")
+GROUPED = ("int4", "int8g")   # formats with one scale per group of inputs
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,69 @@ class WeightFormat:
 
 
 @dataclass
+class QuantizedCodes:
+    """An (out, in) weight quantized outside our packer (a pre-quantized checkpoint), in a
+    grouped format the kernel computes exactly: codes (out, in), uint8 0..15 for int4
+    (w = (u - 8) * s) or int8 for int8g (w = q * s); scales (out, ceil(in / group_size))
+    float32."""
+
+    format: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        assert self.format in GROUPED and self.codes.dim() == 2
+        assert self.scales.shape == (self.codes.shape[0], -(-self.codes.shape[1] // self.group_size))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) float32, each weight as the kernel computes it."""
+        s = self.scales.repeat_interleave(self.group_size, dim=1)[:, :self.codes.shape[1]]
+        return (self.codes.float() - (8 if self.format == "int4" else 0)) * s
+
+    def as_int8g(self) -> QuantizedCodes:
+        """The same weights as int8g codes, exactly: (u - 8) * s is q * s with q = u - 8."""
+        if self.format == "int8g":
+            return self
+        return QuantizedCodes("int8g", (self.codes.to(torch.int16) - 8).to(torch.int8), self.scales,
+                              self.group_size)
+
+    @staticmethod
+    def cat(parts: list[QuantizedCodes]) -> QuantizedCodes | None:
+        """Parts stacked along the outputs (merged q|k|v, gate|up), exactly; None when their
+        groups differ. Parts in different formats become int8g (lossless)."""
+        if len({p.group_size for p in parts}) != 1:
+            return None
+        if len({p.format for p in parts}) != 1:
+            parts = [p.as_int8g() for p in parts]
+        return QuantizedCodes(parts[0].format, torch.cat([p.codes for p in parts]),
+                              torch.cat([p.scales for p in parts]), parts[0].group_size)
+
+
+def quantize_codes(weight: torch.Tensor, fmt: WeightFormat) -> QuantizedCodes:
+    """(out, in) float weight -> QuantizedCodes in a grouped `fmt` (as `pack` quantizes)."""
+    packed = pack(weight.t(), fmt)
+    k, n, g = packed.in_features, packed.out_features, -(-packed.in_features // fmt.group_size)
+    if fmt.name == "int4":
+        codes = torch.cat([packed.panels & 15, packed.panels >> 4], dim=-1)   # (P, K, 64)
+    else:
+        codes = packed.panels
+    codes = codes.transpose(0, 1).reshape(k, -1)[:, :n].t().contiguous()
+    scales = packed.group_scales.transpose(0, 1).reshape(g, -1)[:, :n].t().contiguous()
+    return QuantizedCodes(fmt.name, codes, scales, fmt.group_size)
+
+
+@dataclass
 class PackedWeight:
     """An (out_features, in_features) weight in the kernel's panels.
 
-    panels: float32 / bfloat16 / int8 (num_panels, in, 64), or uint8 (num_panels, in, 32) for
-    int4; column_scales: float32 (num_panels * 64,) for int8; group_scales: float32
-    (num_panels, ceil(in / group_size), 64) for int4. Zero past out_features."""
+    panels: float32 / bfloat16 / int8 (num_panels, in, 64) (int8g too), or uint8 (num_panels,
+    in, 32) for int4; column_scales: float32 (num_panels * 64,) for int8; group_scales: float32
+    (num_panels, ceil(in / group_size), 64) for int4 and int8g. Zero past out_features."""
 
     format: str
     panels: torch.Tensor
@@ -64,10 +125,13 @@ class PackedWeight:
         """The (in, out) float32 weight the kernel computes with (each weight as linear.c
         widens or dequantizes it), for checks and references."""
         k, n, num = self.in_features, self.out_features, self.panels.shape[0]
-        if self.format == "int4":
-            u = torch.cat([self.panels & 15, self.panels >> 4], dim=-1).float()  # (P, K, 64)
+        if self.format in GROUPED:
             s = self.group_scales.repeat_interleave(self.group_size, dim=1)[:, :k]
-            w = torch.addcmul(-8.0 * s, u, s)                # one rounding, like linear.c's FMA
+            if self.format == "int4":
+                u = torch.cat([self.panels & 15, self.panels >> 4], dim=-1).float()  # (P, K, 64)
+                w = torch.addcmul(-8.0 * s, u, s)            # one rounding, like linear.c's FMA
+            else:
+                w = self.panels.float() * s
         else:
             w = self.panels.float()
             if self.format == "int8":
@@ -96,13 +160,40 @@ def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWe
         return PackedWeight(name, _panels(q, k, num), k, n, column_scales=scale.contiguous())
     groups = -(-k // group_size)
     wg = torch.nn.functional.pad(w, (0, 0, 0, groups * group_size - k)).view(groups, group_size, -1)
-    extreme = wg.gather(1, wg.abs().argmax(dim=1, keepdim=True)).squeeze(1)   # (groups, N_pad)
-    scale = extreme / -8
-    q = torch.round(wg / _nonzero(scale).unsqueeze(1)).clamp_(-8, 7).view(-1, num * PANEL)[:k]
-    u = (q + 8).to(torch.uint8).view(k, num, PANEL)
-    nibbles = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)                # (K, P, 32)
-    return PackedWeight(name, nibbles.transpose(0, 1).contiguous(), k, n, group_size,
-                        group_scales=scale.view(groups, num, PANEL).transpose(0, 1).contiguous())
+    if name == "int4":
+        extreme = wg.gather(1, wg.abs().argmax(dim=1, keepdim=True)).squeeze(1)   # (groups, N_pad)
+        scale = extreme / -8
+        q = torch.round(wg / _nonzero(scale).unsqueeze(1)).clamp_(-8, 7) + 8
+    else:
+        scale = wg.abs().amax(dim=1) / 127
+        q = torch.round(wg / _nonzero(scale).unsqueeze(1)).clamp_(-127, 127)
+    codes = q.view(-1, num * PANEL)[:k].to(torch.uint8 if name == "int4" else torch.int8)
+    return _grouped(name, codes, scale, group_size, n)
+
+
+def pack_codes(w: QuantizedCodes) -> PackedWeight:
+    """A weight quantized elsewhere, in panels exactly as its codes and scales say."""
+    n, k = w.codes.shape
+    num = -(-n // PANEL)
+    fill = 8 if w.format == "int4" else 0                  # padding columns weigh zero
+    codes_t = torch.nn.functional.pad(w.codes.t(), (0, num * PANEL - n), value=fill)
+    scales_t = torch.nn.functional.pad(w.scales.float().t(), (0, num * PANEL - n))
+    return _grouped(w.format, codes_t, scales_t, w.group_size, n)
+
+
+def _grouped(name: str, codes_t: torch.Tensor, scale: torch.Tensor, group_size: int,
+             n: int) -> PackedWeight:
+    """codes_t (K, N_pad) (int4: uint8 0..15; int8g: int8) and scale (groups, N_pad) float32
+    -> the PackedWeight of a grouped format."""
+    k, num = codes_t.shape[0], codes_t.shape[1] // PANEL
+    if name == "int4":
+        u = codes_t.view(k, num, PANEL)
+        nibbles = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)            # (K, P, 32)
+        panels = nibbles.transpose(0, 1).contiguous()
+    else:
+        panels = _panels(codes_t, k, num)
+    return PackedWeight(name, panels, k, n, group_size,
+                        group_scales=scale.reshape(-1, num, PANEL).transpose(0, 1).contiguous())
 
 
 def _panels(w: torch.Tensor, k: int, num: int) -> torch.Tensor:

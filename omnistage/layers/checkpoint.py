@@ -1,5 +1,6 @@
 """Reading an HF-format model folder: config.json (or a diffusers folder's model_index.json),
-its safetensors files (memory-mapped, tensor by tensor), its tokenizer and EOS ids."""
+its safetensors files (memory-mapped, tensor by tensor), its tokenizer and EOS ids. A GGUF
+file stands for such a folder too (layers/gguf.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from omnistage.errors import CheckpointError, ModelLoadError, ModelNotFoundError
+from omnistage.layers.gguf import gguf_config, is_gguf, load_gguf_tokenizer
 
 
 def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir)
+    if is_gguf(path):
+        return gguf_config(path)
     if not path.is_dir():
         raise ModelNotFoundError(
-            f"model path {str(model_dir)!r} is not a folder; pass a local HF-format folder "
-            f"(config.json + *.safetensors), e.g. one built by `omnistage tiny qwen2 DIR`")
+            f"model path {str(model_dir)!r} is not a folder or a .gguf file; pass a local "
+            f"HF-format folder (config.json + *.safetensors), e.g. one built by `omnistage tiny "
+            f"qwen2 DIR`, or a GGUF file")
     cfg_file = path / "config.json"
     if not cfg_file.is_file() and (path / "model_index.json").is_file():
         # a diffusers folder: its pipeline class stands for the architecture
@@ -91,6 +96,8 @@ def load_tokenizer(path: str, config=None):
     costly or noisy to build; the tokenizer class still comes from tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
+    if is_gguf(path):
+        return load_gguf_tokenizer(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **({"config": config} if config is not None else {}))
     except (OSError, ValueError, TypeError) as e:

@@ -17,7 +17,7 @@ from omnistage.config import WEIGHT_FORMATS, EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import (NativeLinearKernel, native_linear_kernel,
                                       unsupported_reason as native_linear_unsupported)
-from omnistage.kernels.weight_pack import PackedWeight, WeightFormat
+from omnistage.kernels.weight_pack import PackedWeight, QuantizedCodes, WeightFormat, pack_codes
 from omnistage.layers.onednn import pack_weight, packed_linear
 
 
@@ -52,14 +52,24 @@ class TransposedLinear(nn.Module):
         # Set by pack_when_loaded: packed as soon as every shard (and bias) is in.
         self._pack_on_load: tuple[NativeLinearKernel, WeightFormat] | None = None
         self._loaded: set[tuple[str, int]] = set()
+        self._codes: dict[int, QuantizedCodes] = {}   # shards loaded pre-quantized
 
-    def load_weight(self, w: torch.Tensor, shard: int = 0) -> None:
-        """w: (out_shard, in) as checkpoints store it."""
+    def load_weight(self, w: torch.Tensor | QuantizedCodes, shard: int = 0) -> None:
+        """w: (out_shard, in) as checkpoints store it: float, or codes quantized elsewhere
+        (a GGUF q4_0 / q8_0 tensor), which the native kernel then computes with as they are."""
         off, size = self.shard_offsets[shard], self.shard_sizes[shard]
         self._check_unpacked()
-        _check_shape(w, (size, self.weight_t.shape[0]))
-        self.weight_t[:, off:off + size].copy_(w.t())
+        _check_shape(w, (size, self.in_features))
+        if isinstance(w, QuantizedCodes):
+            self._codes[shard] = w
+        else:
+            self._codes.pop(shard, None)
+            self.weight_t[:, off:off + size].copy_(w.t())
         self._loaded_part("weight", shard)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight_t.shape[0] if self.panels is None else self.panels.in_features
 
     def load_bias(self, b: torch.Tensor, shard: int = 0) -> None:
         off, size = self.shard_offsets[shard], self.shard_sizes[shard]
@@ -93,14 +103,28 @@ class TransposedLinear(nn.Module):
         layout); drop the plain copy."""
         if self.is_packed:
             return                                # packed while loading (pack_when_loaded)
-        if kernel is not None:
-            assert self.bias is None or self.bias.is_contiguous()
-            fmt = fmt.for_output_head() if self.output_head else fmt
-            self.native, self.panels = kernel, kernel.pack(self.weight_t, fmt)
+        codes = self._merged_codes() if kernel is not None else None
+        if codes is not None:                     # every shard pre-quantized alike: as stored
+            self.native, self.panels = kernel, pack_codes(codes)
         else:
-            self.packed = pack_weight(self.weight_t.t())          # (out, in)
+            for shard, part in self._codes.items():   # mixed with float shards: as floats
+                off = self.shard_offsets[shard]
+                self.weight_t[:, off:off + self.shard_sizes[shard]].copy_(part.dequantize().t())
+            if kernel is not None:
+                assert self.bias is None or self.bias.is_contiguous()
+                fmt = fmt.for_output_head() if self.output_head else fmt
+                self.native, self.panels = kernel, kernel.pack(self.weight_t, fmt)
+            else:
+                self.packed = pack_weight(self.weight_t.t())          # (out, in)
         self.weight_t = nn.Parameter(torch.empty(0, dtype=self.weight_t.dtype), requires_grad=False)
-        self._pack_on_load = None
+        self._pack_on_load, self._codes = None, {}
+
+    def _merged_codes(self) -> QuantizedCodes | None:
+        """The whole weight as one QuantizedCodes when every shard came pre-quantized with
+        the same group size (formats may differ: int4 parts then become int8g, exactly)."""
+        if len(self._codes) != len(self.shard_sizes):
+            return None
+        return QuantizedCodes.cat([self._codes[i] for i in range(len(self.shard_sizes))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -181,13 +205,15 @@ def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.
     return True
 
 
-def pack_while_loading(model: nn.Module, config: EngineConfig) -> None:
+def pack_while_loading(model: nn.Module, config: EngineConfig, pre_quantized: bool = False) -> None:
     """Before `model` (its parameters materialised, not yet filled) loads its checkpoint:
-    with a `quantization` other than none, each TransposedLinear packs into the native format
-    as soon as its weights are in, so loading never holds the whole model in float32 (a
-    Qwen2.5-Omni-7B thinker would need ~30 GB, its int8 weights ~8). Output heads pack later,
-    with the rest (a tied head is loaded from the embedding table, perhaps twice)."""
-    if config.quantization == "none" or config.linear_kernel not in ("auto", "native"):
+    with a `quantization` other than none, or weights that come pre-quantized, each
+    TransposedLinear packs into the native format as soon as its weights are in, so loading
+    never holds the whole model in float32 (a Qwen2.5-Omni-7B thinker would need ~30 GB, its
+    int8 weights ~8), nor a pre-quantized one's codes beside its panels. Output heads pack
+    later, with the rest (a tied head is loaded from the embedding table, perhaps twice)."""
+    if (config.quantization == "none" and not pre_quantized) or \
+            config.linear_kernel not in ("auto", "native"):
         return
     param = next(model.parameters())
     kernel, _ = native_kernel_for(config, param.device, param.dtype)   # never None: it raises

@@ -1,5 +1,6 @@
 """Load an HF-format folder served by the AR engine: config.json + model.safetensors (or a
-sharded index), through the table of architectures in `omnistage.models`.
+sharded index), through the table of architectures in `omnistage.models`; or a GGUF file
+(layers/gguf.py), whose q4_0 / q8_0 weights stay as stored where the native kernel serves.
 
 Parameters are created on the meta device, materialised once on the target device, and filled
 tensor by tensor from memory-mapped safetensors files, so peak memory is about one copy of
@@ -16,6 +17,8 @@ from omnistage.config import EngineConfig
 from omnistage.errors import ModelLoadError
 from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_weights,
                                          load_tokenizer, read_config, safetensors_files)
+from omnistage.layers.gguf import gguf_weights, is_gguf
+from omnistage.layers.linear import native_kernel_for
 from omnistage.layers.weights import fill_model
 from omnistage.models import resolve_model_class
 
@@ -27,15 +30,30 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
     cls = resolve_model_class(architecture_of(cfg))
+    gguf = is_gguf(model_dir)
     try:
         config = cls.config_class.from_hf(cfg)
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{model_dir / 'config.json'}: cannot use it ({e!r})") from e
+        where = model_dir if gguf else model_dir / "config.json"
+        raise ModelLoadError(f"{where}: cannot use it ({e!r})") from e
     model = cls(config, dtype=dtype, device=device)
     model.to_empty(device=device)
-    fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), warn_unused=True,
-               pack_for=pack_for)
+    if gguf:
+        keep = keeps_codes(pack_for, device, dtype)
+        weights = gguf_weights(model_dir, keep_codes=keep)
+    else:
+        keep, weights = False, iter_weights(safetensors_files(model_dir))
+    fill_model(model, weights, str(model_dir), warn_unused=True, pack_for=pack_for,
+               pre_quantized=keep)
     return model.eval()
+
+
+def keeps_codes(config: EngineConfig | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a GGUF file's quantized weights stay as stored: the native linear kernel serves
+    here and no `quantization` asks for another format."""
+    if config is None or config.quantization != "none" or config.linear_kernel not in ("auto", "native"):
+        return False
+    return native_kernel_for(config, device, dtype)[0] is not None
 
 
 def load_text_model(config: EngineConfig) -> tuple[torch.nn.Module, object, set[int]]:

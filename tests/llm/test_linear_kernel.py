@@ -13,7 +13,7 @@ from omnistage import Omni, SamplingParams
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import NativeLinearKernel, unsupported_reason
-from omnistage.kernels.weight_pack import WeightFormat, pack
+from omnistage.kernels.weight_pack import QuantizedCodes, WeightFormat, pack, pack_codes, quantize_codes
 from omnistage.layers.linear import use_native_linears
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
@@ -31,7 +31,8 @@ def narrow_kernel(c_compiler) -> NativeLinearKernel:
 
 
 FORMATS = [WeightFormat("float32"), WeightFormat("bfloat16"), WeightFormat("int8"),
-           WeightFormat("int4", 32), WeightFormat("int4", 7)]
+           WeightFormat("int4", 32), WeightFormat("int4", 7), WeightFormat("int8g", 32),
+           WeightFormat("int8g", 5)]
 # (rows, out, in): one row (the decode path), every tile height 1-6 and their mixes, partial
 # last panels (out not a multiple of 64), odd inner sizes.
 SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 100, 64),
@@ -75,6 +76,11 @@ def test_quantization_error_is_bounded(fmt):
         assert (err <= w_t.abs() * 2 ** -8).all()
     elif fmt.name == "int8":
         assert (err <= w_t.abs().amax(0) / 127 / 2 * 1.001 + 1e-7).all()
+    elif fmt.name == "int8g":
+        groups = -(-150 // fmt.group_size)
+        padded = torch.nn.functional.pad(w_t, (0, 0, 0, groups * fmt.group_size - 150))
+        scale = padded.view(groups, fmt.group_size, 100).abs().amax(1) / 127
+        assert (err <= scale.repeat_interleave(fmt.group_size, 0)[:150] / 2 * 1.001 + 1e-7).all()
     else:
         groups = -(-150 // fmt.group_size)
         padded = torch.nn.functional.pad(w_t, (0, 0, 0, groups * fmt.group_size - 150))
@@ -82,7 +88,37 @@ def test_quantization_error_is_bounded(fmt):
         bound = scale.repeat_interleave(fmt.group_size, 0)[:150] * 1.001 + 1e-7
         assert (err <= bound).all()
     assert packed.nbytes < w_t.numel() * 4 * {"float32": 1.3, "bfloat16": 0.65, "int8": 0.35,
-                                                "int4": 0.25 if fmt.group_size > 8 else 0.9}[fmt.name]
+                                                "int4": 0.25 if fmt.group_size > 8 else 0.9,
+                                                "int8g": 0.4 if fmt.group_size > 8 else 1.3}[fmt.name]
+
+
+@pytest.mark.parametrize("name,group", [("int4", 32), ("int8g", 32), ("int4", 5)])
+def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group):
+    """pack_codes (a GGUF q4_0 / q8_0 tensor's codes and scales): the kernel computes with
+    exactly (u - 8) * s or q * s, whatever the shape (partial panels, a partial last group)."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 100, 70
+    groups = -(-k // group)
+    codes = (torch.randint(0, 16, (n, k), generator=g).to(torch.uint8) if name == "int4"
+             else torch.randint(-127, 128, (n, k), generator=g).to(torch.int8))
+    scales = torch.randn(n, groups, generator=g).half().float()     # GGUF stores float16 scales
+    w = QuantizedCodes(name, codes, scales, group)
+    packed = pack_codes(w)
+    s = scales.repeat_interleave(group, dim=1)[:, :k]
+    want = (codes.float() - (8 if name == "int4" else 0)) * s          # (out, in), exact here
+    assert torch.equal(packed.dequantize(), want.t()) and torch.equal(w.dequantize(), want)
+    assert torch.equal(w.as_int8g().dequantize(), want)                 # lossless
+    again = quantize_codes(want, WeightFormat(name, group))             # codes <-> panels
+    assert torch.equal(pack_codes(again).panels, pack(want.t(), WeightFormat(name, group)).panels)
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(kernel(x, packed, None).double(), x.double() @ want.t().double(),
+                               atol=2e-5 * k ** 0.5, rtol=1e-5)
+    if name == "int4" and group == 32:
+        # q4_0 as llama.cpp quantizes it (the largest magnitude of each block at code 0):
+        # packing its float values again gives back the same codes and scales.
+        codes[:, ::group] = 0
+        w = QuantizedCodes(name, codes, scales, group)
+        assert torch.equal(pack(w.dequantize().t(), WeightFormat(name, group)).panels, pack_codes(w).panels)
 
 
 def test_inputs_of_other_layouts(kernel):
