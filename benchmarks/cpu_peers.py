@@ -9,7 +9,9 @@ never a CI step): llama.cpp from the llama-cpp-python 0.3.36 sdist (downloaded w
 checkpoint (`tiny:qwen2` size small, 57M parameters, or `--model`) is written as float32 GGUF
 (benchmarks/gguf_export.py) and quantized by llama-quantize to q8_0 and q4_0.
 
-Pairs compared: llama.cpp f32 vs our float32, q8_0 vs `quantization=int8`, q4_0 vs `int4`.
+Pairs compared: llama.cpp f32 vs our float32, q8_0 vs `quantization=int8`, q4_0 vs `int4`
+(each engine quantizing in its own way from the same float weights), and q8_0 / q4_0 against
+ours loading llama.cpp's own file (the same weights, bit for bit: int8g / int4 groups of 32).
 Per pair of runs, A (ours) then B (llama.cpp), `--pairs` times, each measuring:
 - decode: single-stream decode tok/s (llama-bench tg128; ours: 128 streamed tokens after a
   32-token prompt, first to last token);
@@ -40,8 +42,10 @@ from benchmarks.bandwidth import measure_read_bandwidth  # noqa: E402
 from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
 
 PEER_VERSION = "0.3.36"
-# (label, llama.cpp GGUF type, our quantization option)
-FORMATS = [("f32", "f32", "none"), ("q8_0 / int8", "q8_0", "int8"), ("q4_0 / int4", "q4_0", "int4")]
+# (label, llama.cpp GGUF type, our quantization option, whether ours loads llama.cpp's file)
+FORMATS = [("f32", "f32", "none", False), ("q8_0 / int8", "q8_0", "int8", False),
+           ("q4_0 / int4", "q4_0", "int4", False), ("q8_0 file", "q8_0", "none", True),
+           ("q4_0 file", "q4_0", "none", True)]
 TARGETS = {("f32", "decode"): 1.0, ("q8_0 / int8", "decode"): 1.0, ("q8_0 / int8", "parallel 32"): 1.5,
            ("q8_0 / int8", "parallel 64"): 1.5, ("q4_0 / int4", "decode"): 1.0}
 
@@ -183,8 +187,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--parallel", default="1,8,32,64", help="parallel prompt counts")
     ap.add_argument("--model", help="a Qwen2 HF folder (default: tiny:qwen2 size small, built here)")
     ap.add_argument("--peer-dir", help="where llama.cpp is built (default: <omnistage cache>/peers)")
+    ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS),
+                    help=f"comma-separated labels of the pairs to run (default: all: "
+                         f"{', '.join(f[0] for f in FORMATS)})")
     ap.add_argument("--out-json")
     args = ap.parse_args(argv)
+    wanted = args.formats.split(",")
+    unknown = set(wanted) - {f[0] for f in FORMATS}
+    if unknown:
+        ap.error(f"unknown --formats {sorted(unknown)}")
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.parallel.split(",")]
     folder = Path(args.peer_dir) if args.peer_dir else cache_dir() / "peers"
@@ -201,8 +212,8 @@ def main(argv=None) -> dict:
               f"llama-cpp-python {PEER_VERSION}", "bandwidth_start": measure_read_bandwidth(threads=args.threads)}
     llama = LlamaCpp(src, args.threads)
     results = {}
-    for label, gtype, quant in FORMATS:
-        ours = Ours(model_dir, quant, seed=0)
+    for label, gtype, quant, same_file in [f for f in FORMATS if f[0] in wanted]:
+        ours = Ours(files[gtype] if same_file else model_dir, quant, seed=0)
         ours.decode(), llama.decode(files[gtype])                       # warm-ups, not counted
         runs = []
         for i in range(args.pairs):

@@ -196,7 +196,6 @@ def gguf_weights(path: str | Path, keep_codes: bool
             yield "model.norm.weight", _float(t)
         else:
             yield _layer_name(t.name), (_weight(t, keep_codes) if len(t.shape) == 2 else _float(t))
-    del r
 
 
 def _layer_name(name: str) -> str:

@@ -10,6 +10,18 @@ sends anyway, else as a bare ACK before `recv` returns. A producer applies acks 
 reads its socket, and reads before encoding while regions are outstanding. A full arena sends
 inline (shm.py). `wait_acks` blocks until every region has been acked (drain, tests).
 
+Authentication and encryption: every channel runs ZMQ's CURVE mechanism (CurveZMQ: X25519
+key exchange, XSalsa20-Poly1305 per message). The parent, the CURVE server, makes a fresh key
+pair per channel and hands its public key to the child only inside `spec` (the spawn
+arguments, a Ray actor's constructor): never published, it is the channel's shared secret. A
+client's handshake must be sealed to that key, and the parent must prove it holds the matching
+secret key, so a process that finds the address (an abstract socket is listed in
+/proc/net/unix; a TCP port is open to the host) and connects before the child completes no
+handshake: libzmq drops it before a message is read or sent, the PAIR socket stays free for
+the child, and nothing the parent queued reaches anyone else. Everything on the socket is
+encrypted and authenticated (tensors in shared memory are not: /dev/shm segments are the
+user's own, mode 0600, shm.py).
+
 Start-up: the parent creates its arena, binds (`listen`) and hands the child `spec` bytes. The
 child (`connect`) maps the parent's arena, creates its own, connects and sends HELLO. On HELLO
 the parent maps the child's arena and unlinks both names, so from then on nothing of the
@@ -90,6 +102,7 @@ class ChannelSpec(msgspec.Struct, frozen=True):
     """What the child needs to connect; travels to it as msgpack bytes (never pickled)."""
 
     address: str
+    server_key: bytes  # the parent's CURVE public key (z85): the secret proven in the handshake
     shm_dir: str
     parent_segment: str  # the parent's arena ("" when it has none)
     child_segment: str  # the name the child creates its arena under ("" for none)
@@ -132,7 +145,10 @@ class Channel:
         config = config or ChannelConfig()
         ctx, arena = zmq.Context(io_threads=1), None
         sock = _pair_socket(ctx, config)
+        server_key, secret_key = _curve_keypair()
         try:
+            sock.curve_secretkey, sock.curve_publickey = secret_key, server_key
+            sock.curve_server = True                # set before bind: the listener inherits it
             if config.transport == "ipc" and sys.platform == "linux":
                 address = f"ipc://@{new_segment_name('sock')}"
                 sock.bind(address)
@@ -140,7 +156,7 @@ class Channel:
                 address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
             shm_dir = default_shm_dir()
             arena = try_create_arena(new_segment_name("p"), config.shm_capacity, shm_dir)
-            spec = ChannelSpec(address, shm_dir, arena.name if arena else "",
+            spec = ChannelSpec(address, server_key, shm_dir, arena.name if arena else "",
                                new_segment_name("c") if config.shm_capacity else "", config)
             channel = cls(ctx, sock, Codec(types, shm_threshold=config.shm_threshold), config,
                           arena, ShmReader(), spec, ready=False)
@@ -163,6 +179,8 @@ class Channel:
                 reader.attach(decoded.parent_segment, decoded.shm_dir)
             if decoded.child_segment:
                 arena = try_create_arena(decoded.child_segment, config.shm_capacity, decoded.shm_dir)
+            sock.curve_publickey, sock.curve_secretkey = _curve_keypair()
+            sock.curve_serverkey = decoded.server_key
             sock.connect(decoded.address)
             channel = cls(ctx, sock, Codec(types, shm_threshold=config.shm_threshold), config,
                           arena, reader, decoded, ready=True)
@@ -440,6 +458,15 @@ def _pair_socket(ctx: zmq.Context, config: ChannelConfig) -> zmq.Socket:
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, config.linger_ms)
     return sock
+
+
+def _curve_keypair() -> tuple[bytes, bytes]:
+    """(public, secret) z85 CURVE keys; libzmq makes them from the OS's random source."""
+    if not zmq.has("curve"):
+        raise OmniStageError("this libzmq has no CURVE support (it needs libsodium or its "
+                             "tweetnacl build); stage channels are authenticated with it: "
+                             "install pyzmq's wheel, which has it")
+    return zmq.curve_keypair()
 
 
 def _end_dropped(ctx: zmq.Context, sock: zmq.Socket) -> None:

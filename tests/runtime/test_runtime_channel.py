@@ -72,6 +72,52 @@ def pair(request):
     parent.close()
 
 
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_stranger_who_connects_first_gets_nothing(transport):
+    """Processes that find the address and connect before the child (plain ZMQ, or CURVE
+    with a key of their own) complete no handshake: they read nothing the parent sent, the
+    parent reads nothing from them, and the child still connects and gets everything."""
+    import zmq
+
+    parent, spec = Channel.listen(TYPES, ChannelConfig(transport=transport, shm_capacity=0, linger_ms=0,
+                                                       send_timeout_s=0.5))
+    address = msgspec.msgpack.decode(spec, type=ChannelSpec).address
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.PAIR)
+    forged = ctx.socket(zmq.PAIR)
+    forged.curve_publickey, forged.curve_secretkey = zmq.curve_keypair()
+    forged.curve_serverkey = zmq.curve_keypair()[0]          # a guess at the parent's key
+    try:
+        for sock in (plain, forged):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(b"\x93\x01\x90\xa0", zmq.NOBLOCK)    # a HELLO-like header, queued
+        # Neither took the PAIR socket: a send finds no peer to go to (before CURVE, the first
+        # stranger got it).
+        with pytest.raises(TimeoutError):
+            parent.send(Payload(0, [], note="to nobody"))
+        for sock in (plain, forged):
+            assert sock.poll(100) == 0                         # nothing reached them
+        assert not parent.poll_ready() and parent.recv(timeout=0.2) is None
+        child = Channel.connect(spec, TYPES)
+        try:
+            parent.wait_ready(5.0)
+            parent.send(Payload(1, [torch.arange(4)], note="for the child only"))
+            got = child.recv(timeout=5.0)
+            assert got.note == "for the child only" and torch.equal(got.tensors[0], torch.arange(4))
+            child.send(Payload(2, []))
+            assert parent.recv(timeout=5.0).seq == 2
+            for sock in (plain, forged):
+                assert sock.poll(100) == 0
+        finally:
+            child.close()
+    finally:
+        plain.close()
+        forged.close()
+        ctx.term()
+        parent.close()
+
+
 def test_acks_free_the_arena_and_a_full_arena_goes_inline(pair):
     parent, child = pair
     big = [torch.randn(200_000) for _ in range(3)]  # 800 KB each: two fit in 2 MiB
