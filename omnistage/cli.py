@@ -175,6 +175,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization-group-size", type=int, default=64,
                    help="inputs sharing one int4 scale (default: 64; smaller: more accurate, "
                         "more scale bytes)")
+    g.add_argument("--int4-activations", default="int8", choices=["int8", "float32"],
+                   help="what int4 weights multiply (their inputs and groups multiples of 32): "
+                        "int8 rounds each block of 32 activations to int8 steps and uses integer "
+                        "dot products (llama.cpp's q4_0 x q8_0 numerics, ~2x faster); float32 "
+                        "multiplies the dequantized weights exactly (default: int8)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 

@@ -34,6 +34,7 @@ class EngineConfig:
     attention_kernel: str = "auto"        # auto (native on CPU fp32 when it builds) | native | torch
     quantization: str = "none"            # none | bf16 | int8 | int4: linear weights, native kernel (CPU)
     quantization_group_size: int = 64     # inputs per int4 scale
+    int4_activations: str = "int8"        # int8 (integer dot products, llama.cpp's numerics) | float32 (exact)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -57,6 +58,8 @@ class EngineConfig:
         if not isinstance(self.quantization_group_size, int) or self.quantization_group_size < 1:
             raise bad("quantization_group_size",
                       f"must be a positive integer, got {self.quantization_group_size!r}")
+        if self.int4_activations not in ("int8", "float32"):
+            raise bad("int4_activations", f"must be int8 or float32; got {self.int4_activations!r}")
         if self.quantization != "none" and self.linear_kernel in ("onednn", "matmul"):
             raise bad("quantization", f"={self.quantization} runs on the native linear kernel; "
                       f"linear_kernel={self.linear_kernel} reads float weights (use auto or native)")

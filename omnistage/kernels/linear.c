@@ -28,8 +28,10 @@
  *
  * Threads: OpenMP over (panel, tile) work items, torch's runtime (see paged_attention.c). */
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -221,3 +223,148 @@ LINEAR(bf16)
 LINEAR(i8)
 LINEAR(i4)
 LINEAR(i8g)
+
+/* ---- i4k: int4 weights against int8 activations, integer dot products ------------------- *
+ * For K and the group both multiples of 32 (every real model's layers), int4 weights are laid
+ * out for integer dot products of 4 inputs per column, and each row of x is quantized first:
+ * per block of 32 inputs, s = max |x| / 127 and q = rint(x / s) (an int8, as llama.cpp's q8_0
+ * activations). Then per column, exactly in integers, isum = sum_k u_k q_k over the block, and
+ *   y = sum over groups g of  ws[g] * (sum over blocks b of g of  s_b * (isum_b - 8 sum_b q))
+ * in float, in that order (two FMA chains), + bias. Integer sums are exact and the float steps
+ * fixed, so every path (AVX-512 VNNI, AVX-512BW, AVX2, plain C) gives the same bits, and a row
+ * the same bits in any batch. Against the float path (x . dequantized W) the difference is the
+ * activations' rounding: half a step of 1/127 of each block's largest |x|.
+ *
+ * Layout: panel j holds K/8 chunks of 256 bytes; chunk c covers inputs 8c .. 8c+7 and holds
+ * per column (64, in order) 4 bytes, byte i = u(8c + i) | u(8c + 4 + i) << 4. One 64-byte
+ * vector is then 16 columns x 4 inputs: a low-nibble vector and a high-nibble vector each feed
+ * one 4-way dot product per column (vpdpbusd: unsigned weight bytes x signed activations). */
+
+#define KB 32                       /* inputs per activation scale */
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v64u __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+
+/* acc + (per 32-bit lane: sum of 4 products of u's bytes (0..15) with x4's bytes (signed)). */
+static inline v16i dot4(v16i acc, v64u u, int32_t x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
+    return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_set1_epi32(x4));
+#elif defined(__AVX512BW__) && !defined(OMNISTAGE_NO_AVX512)
+    const __m512i pairs = _mm512_maddubs_epi16((__m512i)u, _mm512_set1_epi32(x4));  /* <= 2*15*127 */
+    return acc + (v16i)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+#elif defined(__AVX2__)
+    __m256i h[2], a[2];
+    memcpy(h, &u, sizeof h);
+    memcpy(a, &acc, sizeof a);
+    for (int i = 0; i < 2; i++) {
+        const __m256i pairs = _mm256_maddubs_epi16(h[i], _mm256_set1_epi32(x4));
+        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    memcpy(&acc, a, sizeof acc);
+    return acc;
+#else
+    int8_t xb[4];
+    memcpy(xb, &x4, 4);
+    for (int l = 0; l < 16; l++)
+        for (int i = 0; i < 4; i++) acc[l] += (int32_t)u[4 * l + i] * xb[i];
+    return acc;
+#endif
+}
+
+/* Rows of x (m, k) -> q (m, k) int8, and per block of 32: scale s (m, k/32), sum of q. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int8_t *q,
+                          float *s, int32_t *sums) {
+    const int64_t nb = k / KB;
+    #pragma omp parallel for schedule(static) if (m > 16)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + r * ldx + b * KB;
+            float amax = 0.0f;
+            for (int i = 0; i < KB; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+            const float scale = amax / 127.0f;
+            int32_t sum = 0;
+            for (int i = 0; i < KB; i++) {
+                float v = scale > 0.0f ? __builtin_rintf(src[i] / scale) : 0.0f;
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                q[r * k + b * KB + i] = (int8_t)v;
+                sum += (int32_t)v;
+            }
+            s[r * nb + b] = scale;
+            sums[r * nb + b] = sum;
+        }
+}
+
+/* One row (its quantized q, scales s, sums) against one panel: 64 outputs into out. */
+static void panel_i4k(const int8_t *restrict q, const float *restrict s,
+                      const int32_t *restrict sums, int64_t k, int64_t group,
+                      const uint8_t *restrict p, const float *restrict gs, float *restrict out) {
+    const int64_t nb = k / KB, per_group = group / KB;
+    v16f y[4] = {};
+    for (int64_t b0 = 0, g = 0; b0 < nb; b0 += per_group, g++) {
+        v16f acc[4] = {};
+        const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
+        for (int64_t b = b0; b < b1; b++) {
+            v16i isum[4] = {};
+            for (int c = 0; c < KB / 8; c++) {
+                const uint8_t *w = p + (b * (KB / 8) + c) * 256;
+                int32_t lo4, hi4;
+                memcpy(&lo4, q + b * KB + 8 * c, 4);
+                memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
+                for (int v = 0; v < 4; v++) {
+                    v64u u;
+                    memcpy(&u, w + 64 * v, sizeof u);
+                    isum[v] = dot4(isum[v], u & 15, lo4);
+                    isum[v] = dot4(isum[v], u >> 4, hi4);
+                }
+            }
+            const v16f sb = (v16f){} + s[b];
+            const int32_t corr = 8 * sums[b];
+            for (int v = 0; v < 4; v++)
+                acc[v] = sb * __builtin_convertvector(isum[v] - corr, v16f) + acc[v];
+        }
+        for (int v = 0; v < 4; v++) {
+            v16f ws;
+            memcpy(&ws, gs + g * PANEL + 16 * v, sizeof ws);
+            y[v] = ws * acc[v] + y[v];
+        }
+    }
+    memcpy(out, y, sizeof y);
+}
+
+#define I4K_ROWS 8                   /* rows per work item (one panel stays in cache) */
+
+/* linear_i4k: the arguments of linear_W (cscales unused). Scratch for the quantized rows is
+ * malloc'ed per call; if it cannot be had, y is filled with NaN. */
+void linear_i4k(const float *x, int64_t ldx, const uint8_t *panels, const float *gscales,
+                int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy,
+                int64_t m, int64_t n, int64_t k) {
+    (void)cscales;
+    const int64_t nb = k / KB, num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t groups = (k + group - 1) / group, tiles = (m + I4K_ROWS - 1) / I4K_ROWS;
+    int8_t *q = malloc((size_t)(m * k > 0 ? m * k : 1));
+    float *s = malloc(sizeof(float) * (size_t)(m * nb > 0 ? m * nb : 1));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(m * nb > 0 ? m * nb : 1));
+    if (q == NULL || s == NULL || sums == NULL) {
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < n; c++) y[r * ldy + c] = __builtin_nanf("");
+    } else {
+        quantize_rows(x, ldx, m, k, q, s, sums);
+        #pragma omp parallel for schedule(static)
+        for (int64_t item = 0; item < num_panels * tiles; item++) {
+            const int64_t j = item / tiles, r0 = item % tiles * I4K_ROWS, n0 = j * PANEL;
+            const int64_t r1 = r0 + I4K_ROWS < m ? r0 + I4K_ROWS : m;
+            const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
+            for (int64_t r = r0; r < r1; r++) {
+                float out[PANEL];
+                panel_i4k(q + r * k, s + r * nb, sums + r * nb, k, group, panels + j * (k / 2) * PANEL,
+                          gscales + j * groups * PANEL, out);
+                for (int64_t c = 0; c < cols; c++)
+                    y[r * ldy + n0 + c] = bias != NULL ? out[c] + bias[n0 + c] : out[c];
+            }
+        }
+    }
+    free(q);
+    free(s);
+    free(sums);
+}

@@ -16,7 +16,7 @@ from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
 _SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
-            "int4": "linear_i4", "int8g": "linear_i8g"}
+            "int4": "linear_i4", "int8g": "linear_i8g", "int4k": "linear_i4k"}
 _X86 = ("x86_64", "amd64", "i386", "i686")
 
 

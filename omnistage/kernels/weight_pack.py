@@ -20,14 +20,19 @@ import torch
 PANEL = 64                    # output columns per panel (linear.c)
 FORMATS = ("float32", "bfloat16", "int8", "int4", "int8g")
 GROUPED = ("int4", "int8g")   # formats with one scale per group of inputs
+ACTIVATION_BLOCK = 32         # int4k: inputs per activation scale (linear.c's KB)
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How linear weights are stored: one of FORMATS; int4 in groups of `group_size` inputs."""
+    """How linear weights are stored: one of FORMATS; int4 in groups of `group_size` inputs.
+    `int8_activations`: int4 weights whose inputs and groups are multiples of 32 are laid out
+    for integer dot products against int8-rounded activations (`int4k`, linear.c: ~2x the
+    speed, llama.cpp's q4_0 x q8_0 numerics); False keeps float activations (exact)."""
 
     name: str = "float32"
     group_size: int = 64
+    int8_activations: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
@@ -40,7 +45,7 @@ class WeightFormat:
         keeps its output matrix at 6+ bits: its error lands on the logits directly, with no
         later layer to average it out. (Measured on the `trained` tiny Qwen2: logits' max
         error 0.49 -> see docs/quantization.md.)"""
-        return WeightFormat("int8") if self.name == "int4" else self
+        return WeightFormat("int8", int8_activations=self.int8_activations) if self.name == "int4" else self
 
 
 @dataclass
@@ -92,7 +97,7 @@ def quantize_codes(weight: torch.Tensor, fmt: WeightFormat) -> QuantizedCodes:
     packed = pack(weight.t(), fmt)
     k, n, g = packed.in_features, packed.out_features, -(-packed.in_features // fmt.group_size)
     if fmt.name == "int4":
-        codes = torch.cat([packed.panels & 15, packed.panels >> 4], dim=-1)   # (P, K, 64)
+        codes = packed.codes()                                                # (P, K, 64)
     else:
         codes = packed.panels
     codes = codes.transpose(0, 1).reshape(k, -1)[:, :n].t().contiguous()
@@ -105,8 +110,10 @@ class PackedWeight:
     """An (out_features, in_features) weight in the kernel's panels.
 
     panels: float32 / bfloat16 / int8 (num_panels, in, 64) (int8g too), or uint8 (num_panels,
-    in, 32) for int4; column_scales: float32 (num_panels * 64,) for int8; group_scales: float32
-    (num_panels, ceil(in / group_size), 64) for int4 and int8g. Zero past out_features."""
+    in, 32) for int4, or uint8 (num_panels, in / 8, 64, 4) for int4k (int4 whose inputs and
+    groups are multiples of 32, laid out for integer dot products against int8 activations:
+    linear.c); column_scales: float32 (num_panels * 64,) for int8; group_scales: float32
+    (num_panels, ceil(in / group_size), 64) for int4, int4k and int8g. Zero past out_features."""
 
     format: str
     panels: torch.Tensor
@@ -125,10 +132,10 @@ class PackedWeight:
         """The (in, out) float32 weight the kernel computes with (each weight as linear.c
         widens or dequantizes it), for checks and references."""
         k, n, num = self.in_features, self.out_features, self.panels.shape[0]
-        if self.format in GROUPED:
+        if self.format in (*GROUPED, "int4k"):
             s = self.group_scales.repeat_interleave(self.group_size, dim=1)[:, :k]
-            if self.format == "int4":
-                u = torch.cat([self.panels & 15, self.panels >> 4], dim=-1).float()  # (P, K, 64)
+            if self.format in ("int4", "int4k"):
+                u = self.codes().float()                         # (P, K, 64)
                 w = torch.addcmul(-8.0 * s, u, s)            # one rounding, like linear.c's FMA
             else:
                 w = self.panels.float() * s
@@ -139,6 +146,14 @@ class PackedWeight:
                 # product up to summation rounding.
                 w = w * self.column_scales.view(num, 1, PANEL)
         return w.transpose(0, 1).reshape(k, num * PANEL)[:, :n].contiguous()
+
+    def codes(self) -> torch.Tensor:
+        """int4 / int4k: the codes u (0..15) as (num_panels, in, 64) uint8."""
+        if self.format == "int4":
+            return torch.cat([self.panels & 15, self.panels >> 4], dim=-1)
+        p = self.panels                                      # (P, K/8, 64, 4)
+        u = torch.cat([p & 15, p >> 4], dim=-1)              # (P, K/8, 64, 8): inputs 8c + i
+        return u.permute(0, 1, 3, 2).reshape(p.shape[0], -1, PANEL)
 
 
 def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWeight:
@@ -168,25 +183,34 @@ def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWe
         scale = wg.abs().amax(dim=1) / 127
         q = torch.round(wg / _nonzero(scale).unsqueeze(1)).clamp_(-127, 127)
     codes = q.view(-1, num * PANEL)[:k].to(torch.uint8 if name == "int4" else torch.int8)
-    return _grouped(name, codes, scale, group_size, n)
+    return _grouped(name, codes, scale, group_size, n, fmt.int8_activations)
 
 
-def pack_codes(w: QuantizedCodes) -> PackedWeight:
-    """A weight quantized elsewhere, in panels exactly as its codes and scales say."""
+def pack_codes(w: QuantizedCodes, int8_activations: bool = True) -> PackedWeight:
+    """A weight quantized elsewhere, in panels exactly as its codes and scales say
+    (`int8_activations`: as WeightFormat's)."""
     n, k = w.codes.shape
     num = -(-n // PANEL)
     fill = 8 if w.format == "int4" else 0                  # padding columns weigh zero
     codes_t = torch.nn.functional.pad(w.codes.t(), (0, num * PANEL - n), value=fill)
     scales_t = torch.nn.functional.pad(w.scales.float().t(), (0, num * PANEL - n))
-    return _grouped(w.format, codes_t, scales_t, w.group_size, n)
+    return _grouped(w.format, codes_t, scales_t, w.group_size, n, int8_activations)
 
 
 def _grouped(name: str, codes_t: torch.Tensor, scale: torch.Tensor, group_size: int,
-             n: int) -> PackedWeight:
+             n: int, int8_activations: bool) -> PackedWeight:
     """codes_t (K, N_pad) (int4: uint8 0..15; int8g: int8) and scale (groups, N_pad) float32
-    -> the PackedWeight of a grouped format."""
+    -> the PackedWeight of a grouped format (int4 as int4k where int8_activations and the
+    shape allow it)."""
     k, num = codes_t.shape[0], codes_t.shape[1] // PANEL
-    if name == "int4":
+    if name == "int4" and int8_activations and k % ACTIVATION_BLOCK == 0 \
+            and group_size % ACTIVATION_BLOCK == 0:
+        # int4k: per 8 inputs and column, 4 bytes: byte i = u(8c + i) | u(8c + 4 + i) << 4
+        u = codes_t.view(k // 8, 2, 4, num, PANEL)                            # (K/8, 2, 4, P, 64)
+        bytes_ = u[:, 0] | (u[:, 1] << 4)                                     # (K/8, 4, P, 64)
+        panels = bytes_.permute(2, 0, 3, 1).contiguous()                      # (P, K/8, 64, 4)
+        name = "int4k"
+    elif name == "int4":
         u = codes_t.view(k, num, PANEL)
         nibbles = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)            # (K, P, 32)
         panels = nibbles.transpose(0, 1).contiguous()

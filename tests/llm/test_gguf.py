@@ -58,9 +58,9 @@ def _formats(omni: Omni) -> set[str]:
 @pytest.mark.parametrize("file_type,stored", [("f32", "float32"), ("q8_0", "int8g"), ("q4_0", "int4")])
 def test_equals_transformers_on_the_same_file(gguf_files, file_type, stored):
     """Every matrix (the head too, tied to the q4_0 / q8_0 embedding table) in the file's own
-    format: transformers' greedy tokens, its logits within float32 rounding (measured
-    1.3-2.1e-5 with logits up to ~17)."""
-    omni, tokens, logits = _ours(gguf_files[file_type])
+    format, float activations: transformers' greedy tokens, its logits within float32 rounding
+    (measured 1.3-2.1e-5 with logits up to ~17)."""
+    omni, tokens, logits = _ours(gguf_files[file_type], int4_activations="float32")
     assert omni.engine.llm.linear_kernel == "native" and _formats(omni) == {stored}
     ref_tokens, ref_logits = _transformers(gguf_files[file_type])
     assert tokens == ref_tokens
@@ -69,11 +69,29 @@ def test_equals_transformers_on_the_same_file(gguf_files, file_type, stored):
 
 
 @needs_cc
+def test_q4_0_with_int8_activations(gguf_files):
+    """By default q4_0 weights multiply int8-rounded activations (int4k, llama.cpp's own
+    numerics; its accuracy is measured on the trained model, test_quantization.py): every
+    layer holds the file's codes and scales, in the layout for integer dot products. (On this
+    random model the activations' rounding moves logits by up to ~4: it is built chaotic.)"""
+    default = Omni(str(gguf_files["q4_0"]))
+    exact = Omni(str(gguf_files["q4_0"]), int4_activations="float32")
+    assert _formats(default) == {"int4k"} and _formats(exact) == {"int4"}
+    pairs = [(a, b) for a, b in zip(default.engine.llm.model.modules(), exact.engine.llm.model.modules())
+             if getattr(a, "panels", None) is not None]
+    assert len(pairs) == 4 * 2 + 1
+    for a, b in pairs:
+        assert torch.equal(a.panels.codes(), b.panels.codes())
+        assert torch.equal(a.panels.group_scales, b.panels.group_scales)
+
+
+@needs_cc
 def test_stored_codes_are_the_files_values(gguf_files):
     """The merged q|k|v panels of a q4_0 layer compute with exactly gguf-py's dequantized
     values of the three tensors."""
     omni = Omni(str(gguf_files["q4_0"]))
     qkv = omni.engine.llm.model.layers[1].self_attn.qkv
+    assert qkv.panels.format == "int4k"
     tensors = {t.name: t for t in GGUFFile(gguf_files["q4_0"]).tensors}
     parts = [gguf.quants.dequantize(tensors[f"blk.1.attn_{x}.weight"].data.reshape(
         tensors[f"blk.1.attn_{x}.weight"].shape[0], -1), gguf.GGMLQuantizationType.Q4_0) for x in "qkv"]
@@ -100,7 +118,7 @@ def test_other_types_are_requantized_within_bound(gguf_files):
 def test_other_kernels_and_explicit_quantization_dequantize(gguf_files):
     """Without the native kernel (`linear_kernel=matmul`, or a GPU) the weights load as floats
     (the same values: the same tokens); an explicit `quantization` re-packs them."""
-    _, native_tokens, _ = _ours(gguf_files["q4_0"])
+    _, native_tokens, _ = _ours(gguf_files["q4_0"], int4_activations="float32")
     plain, tokens, _ = _ours(gguf_files["q4_0"], linear_kernel="matmul")
     assert plain.engine.llm.linear_kernel == "matmul" and tokens == native_tokens
     int8 = Omni(str(gguf_files["q4_0"]), quantization="int8")

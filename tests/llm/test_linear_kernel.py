@@ -39,6 +39,17 @@ SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 1
           (6, 64, 96), (7, 250, 40), (13, 65, 17), (64, 768, 512), (200, 300, 129)]
 
 
+def activations(x: torch.Tensor, packed) -> torch.Tensor:
+    """x as the kernel multiplies it: int4k rounds each block of 32 inputs of a row to int8
+    steps of max |x| / 127 (linear.c); every other format takes x as it is."""
+    if packed.format != "int4k":
+        return x
+    blocks = x.view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / scale), torch.zeros_like(blocks)).clamp(-127, 127)
+    return (q * scale).view_as(x)
+
+
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
@@ -51,9 +62,9 @@ def test_matches_float64_product(kernel, narrow_kernel, m, n, k, bias, fmt):
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
     packed = kernel.pack(w_t, fmt)
-    assert packed.panels.shape[:2] == (-(-n // 64), k)
+    assert packed.panels.shape[:2] == (-(-n // 64), k if packed.format != "int4k" else k // 8)
     got = kernel(x, packed, b)
-    ref = x.double() @ packed.dequantize().double() + (b.double() if bias else 0)
+    ref = activations(x, packed).double() @ packed.dequantize().double() + (b.double() if bias else 0)
     assert got.shape == (m, n) and got.is_contiguous()
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * k ** 0.5, rtol=1e-5)
     assert torch.equal(narrow_kernel(x, packed, b), got)
@@ -92,12 +103,14 @@ def test_quantization_error_is_bounded(fmt):
                                                 "int8g": 0.4 if fmt.group_size > 8 else 1.3}[fmt.name]
 
 
-@pytest.mark.parametrize("name,group", [("int4", 32), ("int8g", 32), ("int4", 5)])
-def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group):
+@pytest.mark.parametrize("name,group,k", [("int4", 32, 70), ("int8g", 32, 70), ("int4", 5, 70),
+                                          ("int4", 32, 96)])
+def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group, k):
     """pack_codes (a GGUF q4_0 / q8_0 tensor's codes and scales): the kernel computes with
-    exactly (u - 8) * s or q * s, whatever the shape (partial panels, a partial last group)."""
+    exactly (u - 8) * s or q * s, whatever the shape (partial panels, a partial last group;
+    inputs a multiple of 32: int4k, against int8-rounded activations)."""
     g = torch.Generator().manual_seed(7)
-    n, k = 100, 70
+    n = 100
     groups = -(-k // group)
     codes = (torch.randint(0, 16, (n, k), generator=g).to(torch.uint8) if name == "int4"
              else torch.randint(-127, 128, (n, k), generator=g).to(torch.int8))
@@ -110,8 +123,10 @@ def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group):
     assert torch.equal(w.as_int8g().dequantize(), want)                 # lossless
     again = quantize_codes(want, WeightFormat(name, group))             # codes <-> panels
     assert torch.equal(pack_codes(again).panels, pack(want.t(), WeightFormat(name, group)).panels)
+    assert packed.format == (name if k % 32 else "int4k")
     x = torch.randn(3, k, generator=g)
-    torch.testing.assert_close(kernel(x, packed, None).double(), x.double() @ want.t().double(),
+    torch.testing.assert_close(kernel(x, packed, None).double(),
+                               activations(x, packed).double() @ want.t().double(),
                                atol=2e-5 * k ** 0.5, rtol=1e-5)
     if name == "int4" and group == 32:
         # q4_0 as llama.cpp quantizes it (the largest magnitude of each block at code 0):
