@@ -21,11 +21,22 @@ def _load(tmp_path, text: str) -> DeployConfig:
     ("42\n", r"must be a mapping with a 'stages' key .*got a number"),
     ("stages: [talker, token2wav]\n", r"'stages' must be a mapping .*got a list"),
     ("stages: process\n", r"'stages' must be a mapping .*got a string"),
-    ("stages: {}\nworkers: 3\n", r"unknown keys \['workers'\]; the only key is 'stages'"),
+    ("stages: {}\nworkers: 3\n", r"unknown keys \['workers'\]; the keys are 'stages' and 'ray'"),
+    ("ray: {adress: auto}\n", r"'ray' must be a mapping with keys address, bind_host"),
+    ("ray: [auto]\n", r"'ray' must be a mapping with keys address, bind_host"),
+    ("ray: {address: 5}\n", r"ray.address must be a string"),
+    ("stages:\n  talker: {where: process, num_cpus: 2}\n", r"num_cpus apply to where: ray only"),
+    ("stages:\n  talker: {where: ray, num_gpus: -1}\n", r"num_gpus must be a number >= 0"),
+    ("stages:\n  talker: {where: ray, num_cpus: two}\n", r"num_cpus must be a number >= 0"),
+    ("stages:\n  talker: {where: ray, resources: [node_b]}\n", r"resources must map resource names"),
+    ("stages:\n  talker: {where: ray, resources: {node_b: 0}}\n", r"resources must map resource names"),
+    ("stages:\n  talker: {where: ray, model_path: 3}\n", r"model_path must be a path"),
+    ("stages:\n  talker: {where: ray, start_timeout_s: 0}\n", r"start_timeout_s must be a number"),
     ("stages:\n  talker: process\n", r"stages.talker must be a mapping .*got a string"),
     ("stages:\n  talker: [process]\n", r"stages.talker must be a mapping .*got a list"),
     ("stages:\n  talker: {where: process, colour: red}\n",
-     r"stages.talker has unknown keys \['colour'\]; its keys are where, num_threads, replicas"),
+     r"stages.talker has unknown keys \['colour'\]; its keys are where, num_threads, replicas, "
+     r"num_cpus, num_gpus, resources, model_path, start_timeout_s"),
     ("stages:\n  1: {where: process}\n", r"stage names must be strings, got 1"),
     ("stages:\n  talker: {where: [process]}\n", r"where must be one of"),
     ("stages:\n  talker: {where: process, num_threads: many}\n", r"num_threads must be a positive"),
@@ -55,3 +66,17 @@ def test_a_valid_config(tmp_path):
                              "  talker: {where: ray}\n  thinker:\n")
     assert config.stages == {"token2wav": StagePlacement("process", num_threads=1, replicas=2),
                              "talker": StagePlacement("ray"), "thinker": StagePlacement()}
+
+
+def test_a_ray_cluster_config(tmp_path):
+    from omnistage.deploy import RayCluster
+
+    config = _load(tmp_path, "ray: {address: auto, bind_host: 10.0.0.1}\nstages:\n"
+                             "  talker: {where: ray, num_cpus: 2, resources: {node_b: 1}, replicas: 2,"
+                             " model_path: /mnt/m, start_timeout_s: 30}\n")
+    assert config.ray == RayCluster("auto", "10.0.0.1")
+    talker = config.stages["talker"]
+    assert talker.ray_options() == {"num_cpus": 2, "resources": {"node_b": 1},
+                                    "scheduling_strategy": "SPREAD"}
+    assert (talker.model_path, talker.start_timeout_s) == ("/mnt/m", 30)
+    assert StagePlacement("ray").ray_options() == {"num_cpus": 0}

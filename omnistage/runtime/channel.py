@@ -74,7 +74,8 @@ class PeerDeadError(OmniStageError):
 
 @dataclass
 class ChannelConfig:
-    transport: str = "ipc"               # ipc (abstract socket on Linux, else tcp) | tcp (127.0.0.1)
+    transport: str = "ipc"               # ipc (abstract socket on Linux, else tcp) | tcp
+    host: str = "127.0.0.1"              # tcp: the address the parent binds (the child connects to it)
     shm_capacity: int = 64 << 20         # bytes of each end's arena; 0 sends every tensor inline
     shm_threshold: int = 64 << 10        # tensors of at least this many bytes go through the arena
     send_timeout_s: float = 30.0         # longest wait of send while the peer's queue is full
@@ -84,6 +85,8 @@ class ChannelConfig:
     def __post_init__(self) -> None:
         checks = {  # option: (is valid, what it must be)
             "transport": (self.transport in ("ipc", "tcp"), "ipc or tcp"),
+            "host": (isinstance(self.host, str) and bool(self.host) and ":" not in self.host,
+                     "an IPv4 address or a host name"),
             "shm_capacity": (isinstance(self.shm_capacity, int) and self.shm_capacity >= 0,
                              "a byte count >= 0"),
             "shm_threshold": (isinstance(self.shm_threshold, int) and self.shm_threshold >= 1,
@@ -153,7 +156,7 @@ class Channel:
                 address = f"ipc://@{new_segment_name('sock')}"
                 sock.bind(address)
             else:
-                address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+                address = f"tcp://{config.host}:{sock.bind_to_random_port(f'tcp://{config.host}')}"
             shm_dir = default_shm_dir()
             arena = try_create_arena(new_segment_name("p"), config.shm_capacity, shm_dir)
             spec = ChannelSpec(address, server_key, shm_dir, arena.name if arena else "",

@@ -1,12 +1,24 @@
-"""A stage hosted by a Ray actor (any node of a Ray cluster; tests use a local ray.init()).
+"""A stage hosted by a Ray actor, on any node of a Ray cluster (a local ray.init() by default).
 
 The actor runs the same stage worker as a child process does and talks to the graph over the
-same msgspec channel, on TCP (no shared memory across nodes). Ray only starts the actor and
-reports its death: no message goes through Ray's (pickle-based) object transport.
+same msgspec channel (authenticated and encrypted, runtime/channel.py), on TCP: the front
+binds an address the actor's node can reach (the deploy config's `ray.bind_host`, else Ray's
+node IP of this process when it joined an existing cluster, else loopback). No shared memory
+across nodes, and no message goes through Ray's (pickle-based) object transport: Ray places
+the actor (its resources from the deploy config) and reports its end.
+
+Death: a watcher thread waits on the actor's serve call; when it ends (the actor died, was
+killed, or its node went away) the thread makes a pipe readable, and the channel polls that
+pipe beside its socket as it polls a child process's sentinel: the graph, waiting on its
+channels, wakes at once and fails the stage's requests (StageFailure), then restarts it.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+
+from omnistage.deploy import RayCluster
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import Channel, ChannelConfig
 from omnistage.stages.remote import RemoteStage
@@ -24,9 +36,41 @@ def _actor_class():
     return StageActor
 
 
+class _DeathPipe:
+    """A pipe whose read end turns readable once `ref` (the actor's serve call) is done."""
+
+    def __init__(self, ref):
+        self.read_fd, self._write_fd = os.pipe()
+        self._thread = threading.Thread(target=self._watch, args=(ref,), daemon=True,
+                                        name="omnistage-ray-watch")
+        self._thread.start()
+
+    def _watch(self, ref) -> None:
+        import ray
+
+        try:
+            ray.wait([ref], num_returns=1, timeout=None)
+        except Exception:  # noqa: BLE001 - Ray itself gone: the actor is as good as dead
+            pass
+        try:
+            os.write(self._write_fd, b"x")
+        except OSError:                    # closed meanwhile (shutdown)
+            pass
+        finally:
+            os.close(self._write_fd)
+
+    def close(self) -> None:
+        """Idempotent (a stage that failed to start is shut down, then closed)."""
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+
 class _RayHandle:
     def __init__(self, channel: Channel, actor, ref):
         self.channel, self._actor, self._ref = channel, actor, ref
+        self._death = _DeathPipe(ref)
+        channel.watch(self._death.read_fd)
 
     def alive(self) -> bool:
         import ray
@@ -43,21 +87,39 @@ class _RayHandle:
         except Exception:  # noqa: BLE001 - dead or stuck: kill it either way
             pass
         ray.kill(self._actor)
+        self._death.close()
 
     def describe(self) -> str:
         return f"Ray actor {self._actor._actor_id.hex()[:12]}"
 
 
 class RayStage(RemoteStage):
+    def __init__(self, name: str, recipe: str, config, settings, start_timeout_s: float = 600.0,
+                 max_restarts: int = 3, actor_options: dict | None = None,
+                 cluster: RayCluster | None = None):
+        self._actor_options = actor_options or {"num_cpus": 0}
+        self._cluster = cluster or RayCluster()
+        super().__init__(name, recipe, config, settings, start_timeout_s, max_restarts)
+
+    def _start_hint(self) -> str:
+        return (f" (a Ray actor waits unscheduled while no node has what it asks for: "
+                f"{self._actor_options}; or raise start_timeout_s if its load is slow)")
+
     def _spawn(self) -> _RayHandle:
         try:
             import ray
         except ImportError as e:
             raise ModelLoadError("a stage is placed on Ray but ray is not installed: pip install ray") from e
+        address = self._cluster.address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        host = self._cluster.bind_host or (ray.util.get_node_ip_address() if address else "127.0.0.1")
         channel, spec = Channel.listen(self._types, ChannelConfig(
-            transport="tcp", shm_capacity=0, handshake_timeout_s=self.start_timeout_s))
-        actor = _actor_class().remote()
-        ref = actor.serve.remote(spec, self.recipe)
-        return _RayHandle(channel, actor, ref)   # the first recv waits for its handshake
+            transport="tcp", host=host, shm_capacity=0, handshake_timeout_s=self.start_timeout_s))
+        try:
+            actor = _actor_class().options(**self._actor_options).remote()
+            ref = actor.serve.remote(spec, self.recipe)
+            return _RayHandle(channel, actor, ref)   # the first recv waits for its handshake
+        except BaseException:
+            channel.close()
+            raise

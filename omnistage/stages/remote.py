@@ -77,10 +77,15 @@ class RemoteStage(Stage):
         except TimeoutError:
             reply = None
         if not isinstance(reply, Ready):
-            why = reply.message if isinstance(reply, InitFailed) else f"no answer in {self.start_timeout_s} s"
+            why = (reply.message if isinstance(reply, InitFailed)
+                   else f"no answer in {self.start_timeout_s} s{self._start_hint()}")
             self._child.shutdown()
             raise ModelLoadError(f"stage {self.name!r} could not start in its process: {why}")
         self._started()
+
+    def _start_hint(self) -> str:
+        """What may keep a child from answering (appended to a start timeout's message)."""
+        return " (its imports and model load included: raise start_timeout_s if it is slow)"
 
     def _started(self) -> None:
         self._starting = False

@@ -118,6 +118,34 @@ def test_a_stranger_who_connects_first_gets_nothing(transport):
         parent.close()
 
 
+def test_tcp_on_a_routable_address():
+    """`host`: the parent binds an address other machines reach (a Ray stage on another node);
+    the child connects there, authenticated like on loopback."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))        # no packet is sent: picks the interface
+            host = probe.getsockname()[0]
+        except OSError:
+            pytest.skip("no IPv4 interface besides loopback")
+    if host.startswith("127."):
+        pytest.skip("no IPv4 interface besides loopback")
+    parent, spec = Channel.listen(TYPES, ChannelConfig(transport="tcp", host=host, shm_capacity=0,
+                                                       linger_ms=0))
+    assert msgspec.msgpack.decode(spec, type=ChannelSpec).address.startswith(f"tcp://{host}:")
+    child = Channel.connect(spec, TYPES)
+    try:
+        parent.wait_ready(5.0)
+        parent.send(Payload(7, [torch.ones(3)]))
+        assert child.recv(timeout=5.0).seq == 7
+    finally:
+        child.close()
+        parent.close()
+    with pytest.raises(InvalidRequestError, match="host"):
+        ChannelConfig(transport="tcp", host="tcp://x:1")
+
+
 def test_acks_free_the_arena_and_a_full_arena_goes_inline(pair):
     parent, child = pair
     big = [torch.randn(200_000) for _ in range(3)]  # 800 KB each: two fit in 2 MiB

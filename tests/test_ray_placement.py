@@ -1,0 +1,66 @@
+"""Stages on Ray with the deploy config's actor options (a local Ray node started with a custom
+resource stands for the node a stage is pinned to): the same pixels as in-process, the actor
+holding the resource, an actor's death failing its request at once (the death pipe wakes the
+graph) and the stage restarting, and an actor no node can host failing the start clearly."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from omnistage import Omni
+from omnistage.deploy import DeployConfig, StagePlacement
+from omnistage.diffusion.params import DiffusionParams
+from omnistage.entrypoints.model_source import tiny_checkpoint
+from omnistage.errors import ModelLoadError, StageFailedError
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return str(tiny_checkpoint("qwen_image"))
+
+
+@pytest.fixture(scope="module")
+def ray_node():
+    ray.init(num_cpus=2, resources={"stage_node": 1}, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def run(omni, seed=1):
+    return omni.generate(["a red cat"], DiffusionParams(height=32, width=32, num_inference_steps=3, seed=seed))
+
+
+def test_pinned_actor_serves_dies_and_restarts(folder, ray_node, capsys):
+    with Omni(folder) as local:
+        want = run(local)
+    deploy = DeployConfig({"diffusion": StagePlacement("ray", num_cpus=0, resources={"stage_node": 1},
+                                                       start_timeout_s=300)})
+    with Omni(folder, deploy_config=deploy, num_threads=1) as omni:
+        assert np.abs(run(omni)[0].pixels[0] - want[0].pixels[0]).max() <= 1e-6
+        assert ray.available_resources().get("stage_node", 0) == 0     # the actor holds it
+        stage = omni.engine.graph.stages["diffusion"]
+        stream = omni.stream("a cat", DiffusionParams(height=32, width=32, num_inference_steps=100, seed=3))
+        for d in stream:
+            if d.progress and d.progress[0] >= 1:
+                ray.kill(stage._child._actor)
+                killed = time.monotonic()
+                break
+        with pytest.raises(StageFailedError, match="diffusion"):
+            for _ in stream:
+                pass
+        with capsys.disabled():
+            print(f"\nkilled actor -> request failed in {time.monotonic() - killed:.2f} s")
+        assert stage.restarts == 1
+        assert np.abs(run(omni)[0].pixels[0] - want[0].pixels[0]).max() <= 1e-6   # restarted
+
+
+def test_an_actor_no_node_can_host_fails_the_start(folder, ray_node):
+    deploy = DeployConfig({"diffusion": StagePlacement("ray", resources={"gpu_node": 1},
+                                                       start_timeout_s=3)})
+    with pytest.raises(ModelLoadError, match=r"no answer in 3 s .*'gpu_node': 1"):
+        Omni(folder, deploy_config=deploy, num_threads=1)
