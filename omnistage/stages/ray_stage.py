@@ -28,10 +28,14 @@ from omnistage.stages.worker import worker_main
 def _actor_class():
     import ray
 
-    @ray.remote(num_cpus=0)
+    # Two calls at once: `node_ip` answers while `serve` runs.
+    @ray.remote(num_cpus=0, max_concurrency=2)
     class StageActor:
         def serve(self, spec: bytes, recipe: str) -> None:
             worker_main(spec, recipe)    # returns when the graph closes the channel
+
+        def node_ip(self) -> str:
+            return ray.util.get_node_ip_address()
 
     return StageActor
 
@@ -88,6 +92,12 @@ class _RayHandle:
             pass
         ray.kill(self._actor)
         self._death.close()
+
+    def node_ip(self, timeout: float = 30.0) -> str:
+        """The address of the node the actor runs on."""
+        import ray
+
+        return ray.get(self._actor.node_ip.remote(), timeout=timeout)
 
     def describe(self) -> str:
         return f"Ray actor {self._actor._actor_id.hex()[:12]}"
