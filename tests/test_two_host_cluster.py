@@ -113,14 +113,15 @@ def test_talker_and_token2wav_on_the_other_host(tiny_omni, tmp_path):
         _wait_started(procs[-1], 120)
         out = tmp_path / "front.json"
         front = hosts.run(hosts.a, sys.executable, str(FRONT), tiny_omni, head, hosts.addr_a,
-                          str(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          str(out), f"va{tag}", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
         try:
             log, _ = front.communicate(timeout=900)
         finally:
             _stop(front)
         assert front.returncode == 0, log[-4000:]
         report = json.loads(out.read_text())
-        print(report)
+        print(report)                       # the link's bytes per request: docs/cluster.md
         assert report["node_b_free"] == 98            # both actors hold node_b: on the other host
         assert report["tokens_equal"] and report["audio_shape_equal"]
         assert report["audio_max_diff"] <= 1e-5

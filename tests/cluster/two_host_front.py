@@ -2,7 +2,8 @@
 host's network namespace: the tiny Qwen2.5-Omni all-local, then with its talker and token2wav
 pinned to the other host (Ray custom resource `node_b`), the same request through both; then
 the remote talker's actor killed mid-answer, and a request after it. Writes what it saw as
-JSON (argv: model folder, Ray head address, this host's address, output path)."""
+JSON (argv: model folder, Ray head address, this host's address, output path, this host's
+veth device)."""
 
 from __future__ import annotations
 
@@ -48,7 +49,13 @@ def _replicas(omni, prompt, params, opts, want) -> dict:
                                   for r in ("a", "b"))}
 
 
-def main(model: str, head: str, host: str, out_path: str) -> None:
+def _link_bytes(device: str) -> int:
+    """Bytes sent plus received on this host's end of the veth pair (this namespace's sysfs)."""
+    stats = f"/sys/class/net/{device}/statistics"
+    return sum(int(open(f"{stats}/{k}").read()) for k in ("tx_bytes", "rx_bytes"))
+
+
+def main(model: str, head: str, host: str, out_path: str, device: str) -> None:
     import ray
 
     from omnistage import Omni, SamplingParams
@@ -65,7 +72,11 @@ def main(model: str, head: str, host: str, out_path: str) -> None:
     deploy = DeployConfig({"talker": pinned, "token2wav": pinned}, RayCluster(address=head, bind_host=host))
     report = {}
     with Omni(model, deploy_config=deploy, linear_kernel="matmul", num_threads=1) as omni:
+        omni.generate(prompt, params, output=opts)                   # warm: connections made
+        before = _link_bytes(device)
         [got] = omni.generate(prompt, params, output=opts)
+        report["link_bytes_per_request"] = _link_bytes(device) - before
+        report["audio_seconds"] = len(got.audio) / got.sample_rate
         report["node_b_free"] = ray.available_resources().get("node_b", 0.0)
         report["tokens_equal"] = got.token_ids == want.token_ids
         report["audio_shape_equal"] = got.audio.shape == want.audio.shape
@@ -94,4 +105,4 @@ def main(model: str, head: str, host: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

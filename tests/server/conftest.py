@@ -61,6 +61,29 @@ def omni_server(tiny_omni):
         yield running.base
 
 
+OMNI_STAGES = ("encoder", "thinker", "talker", "token2wav")
+
+
+@contextlib.contextmanager
+def omni_server_placed(tiny_omni: str, placement: str, folder):
+    """A tiny Qwen2.5-Omni server (matmul linears) with every stage `local` (this process) or
+    each in its own `process` (a deploy config written under `folder`)."""
+    flags = ["--linear-kernel", "matmul"]
+    if placement == "process":
+        deploy = folder / "deploy.yaml"
+        deploy.write_text("stages:\n" + "".join(f"  {s}: {{where: process, num_threads: 1}}\n"
+                                                 for s in OMNI_STAGES))
+        flags += ["--deploy-config", str(deploy)]
+    with running_server(tiny_omni, *flags) as running:
+        yield running.base
+
+
+@pytest.fixture(scope="session")
+def place_omni_server():
+    """`with place_omni_server(tiny_omni, "local" | "process", folder) as base:`"""
+    return omni_server_placed
+
+
 @pytest.fixture(scope="session")
 def long_answer_server(tiny_omni, tmp_path_factory):
     """A tiny Qwen2.5-Omni server whose every spoken answer lasts 8 s (the talker's 400 codes,

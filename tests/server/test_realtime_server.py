@@ -17,6 +17,15 @@ import pytest
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
 
+
+@pytest.fixture(scope="module", params=["local", "process"])
+def omni_server(request, tiny_omni, tmp_path_factory, place_omni_server):
+    """This suite runs twice: every stage in the server's process, then each stage in its own
+    process (the deploy config): the API must not tell them apart."""
+    with place_omni_server(tiny_omni, request.param, tmp_path_factory.mktemp("deploy")) as base:
+        yield base
+
+
 DEADLINE_S = 30            # every wait for an event is bounded by this
 
 
