@@ -226,6 +226,15 @@ class RemoteStage(Stage):
     def num_requests(self) -> int:
         return len(self._inflight)
 
+    def metrics(self, replica: int | None = None) -> list[tuple[str, str, str, float]]:
+        """Whether the stage's process (or actor) serves, and how often it was restarted."""
+        labels = f'stage="{self.name}"' + ("" if replica is None else f',replica="{replica}"')
+        return [(f"omnistage_stage_up{{{labels}}}", "gauge",
+                 "1 while a stage in another process or Ray actor can serve, 0 once it is dead",
+                 0.0 if self.dead else 1.0),
+                (f"omnistage_stage_restarts_total{{{labels}}}", "counter",
+                 "restarts of a stage's process or Ray actor after it died", float(self.restarts))]
+
 
 class _ProcessHandle:
     def __init__(self, child):

@@ -58,3 +58,7 @@ class ReplicatedStage(Stage):
     def close(self) -> None:
         for r in self.replicas:
             r.close()
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """Each replica's own, labelled with its index."""
+        return [m for i, r in enumerate(self.replicas) for m in r.metrics(replica=i)]

@@ -84,6 +84,9 @@ def test_killed_stage_fails_its_requests_and_restarts(omni_dir, local_out):
                     t0 = time.monotonic()
         assert t0 is not None and time.monotonic() - t0 < 5.0
         assert talker.restarts == 1 and talker.dead is None
+        metrics = {name: value for name, _, _, value in omni.engine.metrics()}
+        assert metrics['omnistage_stage_restarts_total{stage="talker"}'] == 1
+        assert metrics['omnistage_stage_up{stage="talker"}'] == 1
         assert not omni.engine.has_unfinished_requests()
         assert all(s.num_requests() == 0 for s in omni.engine.graph.stages.values())
         [again] = omni.generate(PROMPT, PARAMS, output=OPTS)   # the restarted stage serves
@@ -111,6 +114,8 @@ def test_stage_past_its_restarts_makes_the_model_unhealthy(omni_dir):
         with pytest.raises(StageFailedError):
             omni.generate(PROMPT, PARAMS, output=OPTS)
         assert stage.dead and "token2wav" in omni.engine.health()
+        metrics = {name: value for name, _, _, value in omni.engine.metrics()}
+        assert metrics['omnistage_stage_up{stage="token2wav"}'] == 0
         with pytest.raises(StageFailedError, match="not restarting"):   # fails at once now
             omni.generate(PROMPT, PARAMS, output=OPTS)
         [text] = omni.generate(PROMPT, PARAMS, output=OutputOptions(modalities=["text"]))
@@ -133,6 +138,8 @@ def test_replicas_share_requests_and_give_the_same_output(omni_dir, local_out):
                     audio[d.request_id].append(d.audio)
             spread |= [r.num_requests() for r in stage.replicas] == [1, 1]
         assert spread                      # one request on each copy
+        metrics = {name: value for name, _, _, value in pipe.metrics()}
+        assert [metrics[f'omnistage_stage_up{{stage="token2wav",replica="{i}"}}'] for i in (0, 1)] == [1, 1]
         for chunks in audio.values():      # each the same as the in-process graph's
             np.testing.assert_allclose(np.concatenate(chunks), local_out.audio, atol=1e-5)
 
