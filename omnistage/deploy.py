@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.ray_cluster import RayCluster
 
 WHERE = ("local", "process", "ray")
 
@@ -96,20 +97,6 @@ class StagePlacement:
 
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class RayCluster:
-    """The deploy config's `ray` section."""
-
-    address: str | None = None           # None: $RAY_ADDRESS, else a local ray.init()
-    bind_host: str | None = None         # None: Ray's node IP with an address, else 127.0.0.1
-
-    def __post_init__(self) -> None:
-        for key in ("address", "bind_host"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or not value):
-                _bad(f"ray.{key} must be a string, got {value!r}")
 
 
 _FIELDS = tuple(f.name for f in fields(StagePlacement))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 
-from omnistage.deploy import RayCluster
+from omnistage.stages.ray_cluster import RayCluster
 from omnistage.errors import ModelLoadError
 from omnistage.runtime.channel import Channel, ChannelConfig
 from omnistage.stages.remote import RemoteStage
