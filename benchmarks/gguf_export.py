@@ -18,17 +18,10 @@ from types import ModuleType
 
 import torch
 
-# HF Qwen2 tensor name parts -> GGUF's (llama.cpp's tensor naming)
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
+from omnistage.layers.gguf import LAYER_NAMES
+
+# HF Qwen2 tensor name parts -> GGUF's (llama.cpp's tensor naming): the reader's map, inverted
+_LAYER_NAMES = {hf: name for name, hf in LAYER_NAMES.items()}
 
 
 def gguf_name(hf_name: str) -> str | None:

@@ -31,8 +31,8 @@ from omnistage.kernels.weight_pack import QuantizedCodes, WeightFormat, quantize
 # general.architecture -> the HF architecture our model table serves it with
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM"}
 GROUP = 32                                   # q4_0 / q8_0 block size
-# GGUF tensor name parts -> HF Qwen2 ones
-_LAYER_NAMES = {
+# GGUF tensor name parts (llama.cpp's naming) -> HF Qwen2 ones
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
@@ -200,9 +200,9 @@ def gguf_weights(path: str | Path, keep_codes: bool
 
 def _layer_name(name: str) -> str:
     parts = name.split(".", 2)
-    if parts[0] != "blk" or len(parts) < 3 or parts[2] not in _LAYER_NAMES:
+    if parts[0] != "blk" or len(parts) < 3 or parts[2] not in LAYER_NAMES:
         return f"gguf.{name}"                # not ours: the model reports it as unused
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
 
 
 def _float(t: GGUFTensor) -> torch.Tensor:
