@@ -2,7 +2,8 @@
 
 - "text"                               -> tokenized as is (no chat template)
 - [{"role": ..., "content": ...}, ...] -> the tokenizer's chat template, generation prompt added
-- {"prompt": "text"} / {"messages": [...]}
+- {"prompt": "text"} / {"messages": [...]} / {"messages": [...], "tools": [...]} (function
+  calling: the template lists the tools; chat_tools.py)
 - {"prompt_token_ids": [int, ...]}
 - {"prompt_embeds": Tensor (P, hidden)} (+ optional "prompt_token_ids" placeholders)
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.chat_messages import check_messages, check_text
+from omnistage.chat_tools import template_messages, tools_for_template
 from omnistage.errors import InvalidRequestError
 from omnistage.sampling_params import SamplingParams
 
@@ -55,16 +57,17 @@ def parse_prompt(prompt, tokenizer) -> ParsedPrompt:
             raise InvalidRequestError("prompt_token_ids must be a list of integers", param="prompt_token_ids")
         return ParsedPrompt(None, list(ids))
     if "messages" in prompt:
-        return _chat(prompt["messages"], tokenizer)
+        return _chat(prompt["messages"], tokenizer, prompt.get("tools"))
     if "prompt" in prompt:
         return parse_prompt(str(prompt["prompt"]), tokenizer)
     raise InvalidRequestError(
         "a prompt dict needs one of: prompt, messages, prompt_token_ids, prompt_embeds", param="prompt")
 
 
-def _chat(messages: list, tokenizer) -> ParsedPrompt:
+def _chat(messages: list, tokenizer, tools: list | None = None) -> ParsedPrompt:
     check_messages(messages, media_types=())
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(template_messages(messages), tokenize=False,
+                                         add_generation_prompt=True, **tools_for_template(tokenizer, tools))
     return ParsedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
 
 

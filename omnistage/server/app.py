@@ -23,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from omnistage.chat_tools import ToolCallStream, split_tool_calls
 from omnistage.engine_api import OutputOptions
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
@@ -203,9 +204,15 @@ def _add_text_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
         params = body.to_sampling_params()
         check_request(body.model, params.max_tokens)
         speech = output_options(engine, body)
+        tools = body.offered_tools
+        if tools and speech.speaks:
+            raise InvalidRequestError("tool calls with a spoken answer are not served yet: give tools "
+                                      "with modalities [\"text\"]", param="tools")
         messages = await resolve_media_urls(body.messages, limits.media)
-        return await _respond(engine, stats, request, messages, params, body.stream,
-                              body.stream_options, model_name, chat=True, output=speech)
+        prompt = {"messages": messages, "tools": tools} if tools else messages
+        return await _respond(engine, stats, request, prompt, params, body.stream,
+                              body.stream_options, model_name, chat=True, output=speech,
+                              tools=bool(tools))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -217,7 +224,7 @@ def _add_text_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
 
 async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, prompt, params,
                    stream: bool, stream_options, model_name: str, chat: bool,
-                   output: SpeechRequest | None = None):
+                   output: SpeechRequest | None = None, tools: bool = False):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
     opts = output.options if output is not None else OutputOptions(modalities=["text"])
     deltas = _observed(engine.generate(prompt, params, request_id=rid, output=opts), stats,
@@ -226,12 +233,26 @@ async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, pr
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         return StreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage,
-                                      output), media_type="text/event-stream")
-    return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n, output))
+                                      output, tools), media_type="text/event-stream")
+    return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n, output,
+                                     tools))
+
+
+def _tool_delta(stream: ToolCallStream, d: Delta) -> dict:
+    """A streamed chat delta with tools offered: text until a call may start; at the end, what
+    was held, and the calls (whole: name and arguments in one delta each)."""
+    text = stream.push(d.text)
+    if not d.finished:
+        return {"content": text}
+    rest, found = stream.finish()
+    delta = {"content": text + rest}
+    if found:
+        delta["tool_calls"] = [c.to_openai(index=k) for k, c in enumerate(found)]
+    return delta
 
 
 async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_name, chat, n,
-                 output: SpeechRequest | None = None):
+                 output: SpeechRequest | None = None, tools: bool = False):
     texts, counts, reasons, logprobs = [""] * n, [0] * n, [None] * n, [[] for _ in range(n)]
     prompt_tokens = 0
     audio = AudioCollector()
@@ -249,6 +270,12 @@ async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_
         lp = _chat_logprobs(engine, logprobs[i]) if logprobs[i] else None
         if chat:
             message = {"role": "assistant", "content": texts[i]}
+            if tools:
+                content, calls = split_tool_calls(texts[i])
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.to_openai() for c in calls]}
+                    reasons[i] = "tool_calls"
             if output is not None and output.speaks:
                 message["audio"] = audio.message_audio(output.format, texts[i])
             choices.append({"index": i, "message": message, "finish_reason": reasons[i], "logprobs": lp})
@@ -260,8 +287,9 @@ async def _whole(engine, first: Delta, deltas: AsyncIterator[Delta], rid, model_
 
 
 async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usage,
-               output: SpeechRequest | None = None):
+               output: SpeechRequest | None = None, tools: bool = False):
     created = int(time.time())
+    calls: dict[int, ToolCallStream] = {}     # per choice, with tools: text held while a call may start
     audio_id = f"audio_{uuid.uuid4().hex}"
     speaks = output is not None and output.speaks
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -282,6 +310,8 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
                 continue
             if chat:
                 delta = {"content": d.text}
+                if tools:
+                    delta = _tool_delta(calls.setdefault(d.index, ToolCallStream()), d)
                 if d.index not in started:
                     delta["role"] = "assistant"
                 if speaks and (d.text or d.audio is not None):
@@ -293,7 +323,8 @@ async def _sse(engine, first: Delta, deltas, rid, model_name, chat, include_usag
                 choice = {"index": d.index, "text": d.text, "finish_reason": None, "logprobs": None}
             started.add(d.index)
             if d.finished:
-                choice["finish_reason"] = _finish_reason(d)
+                choice["finish_reason"] = "tool_calls" if "tool_calls" in choice.get("delta", {}) \
+                    else _finish_reason(d)
             yield event([choice])
     except OmniStageError as e:   # a stage failed or refused mid-stream: say so, then end
         yield error_event(e)

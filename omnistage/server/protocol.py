@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI API we serve, with OpenAI's field names, and their mapping to
 SamplingParams. Unknown fields are ignored, as OpenAI's SDK may send newer ones; but OpenAI
-fields that would change the answer and that this server does not serve (function calling,
-structured output, logit bias) are refused naming the field, never silently dropped."""
+fields that would change the answer and that this server does not serve (forced tool choice,
+legacy functions, structured output, logit bias) are refused naming the field, never silently
+dropped."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from omnistage.chat_tools import check_tools
 from omnistage.errors import InvalidRequestError
 from omnistage.sampling_params import SamplingParams
 
-TOOLS_UNSERVED = "function calling is not served by this server"
+TOOLS_UNSERVED = ("legacy function calling is not served by this server; use tools (the model "
+                  "decides whether to call one: tool_choice auto or none)")
 
 
 class StreamOptions(BaseModel):
@@ -90,9 +93,10 @@ class ChatCompletionRequest(_SamplingFields):
     # Extensions: speech sampling, and whether a video's sound track is heard.
     talker: TalkerParams | None = None
     use_audio_in_video: StrictBool = False
-    # OpenAI fields not served: only their neutral values are taken (refuse_unserved)
+    # Function calling (chat_tools.py): the model decides (auto), or tools are not offered (none)
     tools: list | None = None
     tool_choice: str | dict | None = None
+    # OpenAI fields not served: only their neutral values are taken (refuse_unserved)
     functions: list | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
@@ -100,23 +104,27 @@ class ChatCompletionRequest(_SamplingFields):
 
     def refuse_unserved(self) -> None:
         """InvalidRequestError naming the first field asking for what is not served."""
-        neutral = {"tools": self.tools in (None, []),
-                   "tool_choice": self.tool_choice in (None, "none", "auto"),
+        neutral = {"tool_choice": self.tool_choice in (None, "none", "auto"),
                    "functions": self.functions in (None, []),
                    "function_call": self.function_call in (None, "none", "auto"),
                    "response_format": self.response_format in (None, {"type": "text"}),
                    "logit_bias": not self.logit_bias}
-        why = {"response_format": "structured output (json_object, json_schema) is not served "
+        why = {"tool_choice": "tool_choice 'required' or a named function is not served: the model "
+                              "decides whether to call (auto) or is given no tools (none)",
+               "response_format": "structured output (json_object, json_schema) is not served "
                                   "by this server; send {\"type\": \"text\"} or leave it out",
                "logit_bias": "logit_bias is not served by this server; leave it out"}
         for field, ok in neutral.items():
             if not ok:
                 raise InvalidRequestError(why.get(field, f"{TOOLS_UNSERVED}; leave out {field}"),
                                           param=field)
-        for i, m in enumerate(self.messages):
-            if isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls")):
-                raise InvalidRequestError(f"{TOOLS_UNSERVED}: messages[{i}] is a tool call or "
-                                          "result", param=f"messages[{i}]")
+        if self.tools:
+            check_tools(self.tools)
+
+    @property
+    def offered_tools(self) -> list | None:
+        """The tools the model is given (none with tool_choice none)."""
+        return self.tools if self.tools and self.tool_choice != "none" else None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -71,6 +71,8 @@ class _DeathPipe:
 
 
 class _RayHandle:
+    kind = "Ray actor"              # what the stage runs in, for messages
+
     def __init__(self, channel: Channel, actor, ref):
         self.channel, self._actor, self._ref = channel, actor, ref
         self._death = _DeathPipe(ref)

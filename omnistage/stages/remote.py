@@ -73,14 +73,14 @@ class RemoteStage(Stage):
             self._flush_pending()
             reply = self._child.channel.recv(max(0.0, self._t0 + self.start_timeout_s - time.monotonic()))
         except PeerDeadError as e:
-            reply = InitFailed(f"the process exited while starting ({e})")
+            reply = InitFailed(f"the {self._child.kind} exited while starting ({e})")
         except TimeoutError:
             reply = None
         if not isinstance(reply, Ready):
             why = (reply.message if isinstance(reply, InitFailed)
                    else f"no answer in {self.start_timeout_s} s{self._start_hint()}")
             self._child.shutdown()
-            raise ModelLoadError(f"stage {self.name!r} could not start in its process: {why}")
+            raise ModelLoadError(f"stage {self.name!r} could not start in its {self._child.kind}: {why}")
         self._started()
 
     def _start_hint(self) -> str:
@@ -139,7 +139,7 @@ class RemoteStage(Stage):
         in the background (up to max_restarts)."""
         log.error("stage %s: %s died (%s); failing %d requests", self.name,
                   self._child.describe(), why, len(self._inflight))
-        self._fail_inflight(f"stage {self.name!r} failed: its process died ({why})")
+        self._fail_inflight(f"stage {self.name!r} failed: its {self._child.kind} died ({why})")
         self._pending = []
         self._child.shutdown(timeout=1.0)
         if self.restarts >= self.max_restarts:
@@ -237,6 +237,8 @@ class RemoteStage(Stage):
 
 
 class _ProcessHandle:
+    kind = "process"                # what the stage runs in, for messages
+
     def __init__(self, child):
         self._child = child
         self.channel = child.channel

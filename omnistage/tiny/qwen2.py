@@ -16,7 +16,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 from omnistage.tiny.init import InitScale, reinit_weights_
 from omnistage.tiny.spec import TinyArch, TinyBuildOptions, prepare_outdir
 from omnistage.tiny.tokenizer import ENDOFTEXT, IM_END, build_qwen_tokenizer
-from omnistage.tiny.trained import corpus, train_
+from omnistage.tiny.trained import corpus, tool_chats, train_, train_chats_
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ SIZES: dict[str, Qwen2Shape] = {
         rope_theta=1e6,
     ),
     # For quantization accuracy: ~0.5M parameters, trained for a few seconds (trained.py).
+    # "tools" has the same shape, trained on tool-calling chats instead (trained.py).
     "trained": Qwen2Shape(
         vocab_size=512,
         hidden_size=128,
@@ -74,6 +75,7 @@ SIZES: dict[str, Qwen2Shape] = {
         rope_theta=10000.0,
     ),
 }
+SIZES["tools"] = SIZES["trained"]
 
 
 def make_config(size: str, overrides: dict[str, Any], special_ids: dict[str, int]) -> Qwen2Config:
@@ -100,7 +102,10 @@ def build(options: TinyBuildOptions) -> None:
         if options.size == "trained":
             text = corpus(options.seed, sentences=4000)
             train_(model, tokenizer.encode(text, verbose=False), options.seed)
-    if options.size != "trained":
+        elif options.size == "tools":
+            chats = tool_chats(tokenizer, options.seed, count=200)
+            train_chats_(model, [tokenizer.encode(c, verbose=False) for c in chats], options.seed)
+    if options.size not in ("trained", "tools"):
         reinit_weights_(model, options.seed, InitScale())
     model.generation_config = GenerationConfig(
         bos_token_id=special_ids[ENDOFTEXT],

@@ -59,3 +59,53 @@ def train_(model: nn.Module, token_ids: list[int], seed: int, steps: int = 200,
         sched.step()
     model.eval()
     return loss.item()
+
+
+# Function calling, learned: the `tools` size of tiny:qwen2 is trained on chats that offer
+# WEATHER_TOOL and ask for a city's weather; the answer is the call, then (given the tool's
+# result) a sentence that repeats it. Enough for a greedy tool call to come out end to end.
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CITIES = ["Paris", "Rome", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dakar"]
+WEATHERS = ["sunny", "rainy", "cloudy", "windy", "snowy"]
+
+
+def tool_chats(tokenizer, seed: int, count: int) -> list[str]:
+    """`count` rendered chats (the tokenizer's template with WEATHER_TOOL)."""
+    g = torch.Generator().manual_seed(seed)
+    chats = []
+    for _ in range(count):
+        city = CITIES[int(torch.randint(len(CITIES), (1,), generator=g))]
+        weather = WEATHERS[int(torch.randint(len(WEATHERS), (1,), generator=g))]
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+        messages = [{"role": "user", "content": f"What is the weather in {city}?"},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": weather},
+                    {"role": "assistant", "content": f"It is {weather} in {city}."}]
+        chats.append(tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False))
+    return chats
+
+
+def train_chats_(model: nn.Module, chats: list[list[int]], seed: int, steps: int = 150,
+                 batch: int = 8, lr: float = 3e-3) -> float:
+    """Next-token training on whole chats (each a sequence from its first token: the model
+    learns the answer with its whole context, as it will be asked), batches padded on the
+    right with the loss masked there; in place; returns the last step's loss."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        picked = [chats[i] for i in torch.randint(len(chats), (batch,), generator=g).tolist()]
+        width = max(map(len, picked))
+        x = torch.tensor([c + [0] * (width - len(c)) for c in picked])
+        labels = torch.tensor([c + [-100] * (width - len(c)) for c in picked])
+        loss = model(input_ids=x, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    return loss.item()

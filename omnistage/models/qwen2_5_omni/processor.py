@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from omnistage.chat_messages import check_messages
+from omnistage.chat_tools import tools_for_template
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_audio, decode_base64, decode_pcm16
 from omnistage.media.image import decode_image, parse_data_url
@@ -77,6 +78,7 @@ class OmniProcessor:
                 raise InvalidRequestError("prompt_token_ids must be a non-empty list of integers",
                                           param="prompt_token_ids")
         elif isinstance(prompt, dict) and "messages" in prompt:
+            tools_for_template(self.tokenizer, prompt.get("tools"))   # refuses tools it cannot render
             return self(prompt["messages"], want_audio, use_audio_in_video)
         elif isinstance(prompt, list):
             check_messages(prompt, MEDIA_TYPES)

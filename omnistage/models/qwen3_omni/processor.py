@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.chat_messages import check_messages
+from omnistage.chat_tools import template_messages, tools_for_template
 from omnistage.errors import InvalidRequestError
 from omnistage.models.qwen2_5_omni.audio_features import LogMelConfig, LogMelExtractor
 from omnistage.models.qwen2_5_omni.messages import MediaInput
@@ -63,13 +64,15 @@ class Qwen3OmniProcessor(OmniProcessor):
             raise InvalidRequestError("use_audio_in_video is not offered for Qwen3-Omni yet; send the "
                                       "video's sound as an audio part", param="use_audio_in_video")
         text, ids, audios, images, videos = None, None, [], [], []
+        tools = None
         if isinstance(prompt, dict) and "messages" in prompt:
-            prompt = prompt["messages"]
+            prompt, tools = prompt["messages"], prompt.get("tools")
         if isinstance(prompt, list):
             check_messages(prompt, MEDIA_TYPES)
             audios, images, videos = self._media(prompt, False)
             text = self.tokenizer.apply_chat_template(
-                [self._template_view(m) for m in prompt], tokenize=False, add_generation_prompt=True)
+                [self._template_view(m) for m in template_messages(prompt)], tokenize=False,
+                add_generation_prompt=True, **tools_for_template(self.tokenizer, tools))
         else:
             text, ids = self._plain(prompt)
         expanded = expand_prompt(text if ids is None else list(ids), self.layout,
