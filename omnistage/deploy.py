@@ -15,7 +15,9 @@ Ray stages take the actor's resources (`num_cpus`, default 0; `num_gpus`; `resou
 custom resources, e.g. one a node was started with to pin a stage to it), `model_path` (the
 checkpoint as that node sees it; weights never travel through the channel) and
 `start_timeout_s` (actor scheduled, connected and loaded; default 600). Ray replicas are
-spread over the nodes (Ray's SPREAD strategy).
+spread over the nodes: as Ray's SPREAD strategy can (`spread: best_effort`, the default), or
+one per node (`spread: strict`: a STRICT_SPREAD placement group; with fewer nodes than
+replicas the start fails after start_timeout_s).
 
 Placement is deployment, not code: the recipe builds the same stage wherever it runs, and
 the graph talks to it through the same Stage protocol.
@@ -43,6 +45,7 @@ class StagePlacement:
     resources: dict[str, float] | None = None   # ray: custom resources, e.g. {node_b: 1}
     model_path: str | None = None        # ray: the checkpoint's path on the actor's node
     start_timeout_s: float = 600.0       # process/ray: start to ready (imports, load)
+    spread: str = "best_effort"          # ray replicas: best_effort (Ray's SPREAD) | strict (one per node)
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -82,6 +85,11 @@ class StagePlacement:
                      f"got {self.resources!r}")
         if self.model_path is not None and (not isinstance(self.model_path, str) or not self.model_path):
             _bad(f"model_path must be a path, got {self.model_path!r}")
+        if self.spread not in ("best_effort", "strict"):
+            _bad(f"spread must be best_effort or strict, got {self.spread!r}")
+        if self.spread == "strict" and (self.where != "ray" or self.replicas < 2):
+            _bad("spread: strict places Ray replicas on different nodes: it needs where: ray "
+                 "and replicas >= 2")
 
     def ray_options(self) -> dict:
         """The Ray actor options this placement asks for."""
@@ -90,7 +98,7 @@ class StagePlacement:
             options["num_gpus"] = self.num_gpus
         if self.resources:
             options["resources"] = dict(self.resources)
-        if self.replicas > 1:
+        if self.replicas > 1 and self.spread == "best_effort":
             options["scheduling_strategy"] = "SPREAD"
         return options
 
@@ -188,11 +196,15 @@ class DeployConfig:
             else:
                 from omnistage.stages.ray_stage import RayStage
 
+                from omnistage.stages.ray_stage import StrictSpread
+
                 if spec.model_path is not None:
                     cfg = replace(cfg, model=spec.model_path)
+                group = StrictSpread(spec.replicas, spec.ray_options()) if spec.spread == "strict" else None
                 copies = [RayStage(name, recipe, cfg, settings, spec.start_timeout_s,
-                                   actor_options=spec.ray_options(), cluster=self.ray)
-                          for _ in range(spec.replicas)]
+                                   actor_options=spec.ray_options(), cluster=self.ray,
+                                   spread=None if group is None else (group, i))
+                          for i in range(spec.replicas)]
             if len(copies) == 1:
                 return copies[0]
             from omnistage.stages.replicas import ReplicatedStage

@@ -105,13 +105,53 @@ class _RayHandle:
         return f"Ray actor {self._actor._actor_id.hex()[:12]}"
 
 
+class StrictSpread:
+    """One bundle per replica in a STRICT_SPREAD placement group (Ray's own way to put each
+    replica on a node of its own), made on first use (after ray.init). A restarted replica
+    goes back into its bundle: the same node."""
+
+    def __init__(self, replicas: int, actor_options: dict):
+        # A bundle must ask for something: the actor's CPUs (at least a sliver) and resources.
+        self._bundle = {"CPU": max(float(actor_options.get("num_cpus") or 0), 0.001),
+                        "GPU": float(actor_options.get("num_gpus") or 0),
+                        **actor_options.get("resources", {})}
+        self._bundle = {k: v for k, v in self._bundle.items() if v > 0}
+        self._replicas = replicas
+        self._group = None
+        self._closed = 0
+
+    def strategy(self, index: int):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self._group is None:
+            self._group = placement_group([dict(self._bundle)] * self._replicas, strategy="STRICT_SPREAD")
+        return PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=index)
+
+    def closed_one(self) -> None:
+        """A replica has shut down; the last one gives the group's reservation back."""
+        self._closed += 1
+        if self._closed == self._replicas and self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)
+            self._group = None
+
+
 class RayStage(RemoteStage):
     def __init__(self, name: str, recipe: str, config, settings, start_timeout_s: float = 600.0,
                  max_restarts: int = 3, actor_options: dict | None = None,
-                 cluster: RayCluster | None = None):
+                 cluster: RayCluster | None = None, spread: tuple[StrictSpread, int] | None = None):
         self._actor_options = actor_options or {"num_cpus": 0}
         self._cluster = cluster or RayCluster()
+        self._spread = spread                 # (the replicas' group, this replica's bundle)
         super().__init__(name, recipe, config, settings, start_timeout_s, max_restarts)
+
+    def close(self) -> None:
+        super().close()
+        if self._spread is not None:
+            group, self._spread = self._spread[0], None      # counted once, however often closed
+            group.closed_one()
 
     def _start_hint(self) -> str:
         return (f" (a Ray actor waits unscheduled while no node has what it asks for: "
@@ -128,8 +168,12 @@ class RayStage(RemoteStage):
         host = self._cluster.bind_host or (ray.util.get_node_ip_address() if address else "127.0.0.1")
         channel, spec = Channel.listen(self._types, ChannelConfig(
             transport="tcp", host=host, shm_capacity=0, handshake_timeout_s=self.start_timeout_s))
+        options = dict(self._actor_options)
+        if self._spread is not None:
+            group, index = self._spread
+            options["scheduling_strategy"] = group.strategy(index)
         try:
-            actor = _actor_class().options(**self._actor_options).remote()
+            actor = _actor_class().options(**options).remote()
             ref = actor.serve.remote(spec, self.recipe)
             return _RayHandle(channel, actor, ref)   # the first recv waits for its handshake
         except BaseException:

@@ -96,7 +96,7 @@ def main(model: str, head: str, host: str, out_path: str, device: str) -> None:
         [again] = omni.generate(prompt, params, output=opts)
         report["restarts"] = talker.restarts
         report["again_equal"] = _equal(again, want)
-    spread = DeployConfig({"token2wav": StagePlacement("ray", replicas=2, start_timeout_s=300)},
+    spread = DeployConfig({"token2wav": StagePlacement("ray", replicas=2, spread="strict", start_timeout_s=300)},
                           RayCluster(address=head, bind_host=host))
     with Omni(model, deploy_config=spread, linear_kernel="matmul", num_threads=1) as omni:
         report.update(_replicas(omni, prompt, params, opts, want))
