@@ -56,7 +56,7 @@ def tools_for_template(tokenizer, tools) -> dict:
     if not tools:
         return {}
     check_tools(tools)
-    if not template_takes_tools(getattr(tokenizer, "chat_template", None)):
+    if not template_takes_tools(tokenizer.chat_template):
         raise InvalidRequestError("this model's chat template has no function calling: it cannot "
                                   "be given tools", param="tools")
     return {"tools": tools}

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketState
 
+from omnistage.chat_tools import ToolCall, ToolCallStream
 from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError
 from omnistage.media.encode import encode_audio
@@ -46,6 +48,7 @@ from omnistage.server.realtime_events import (PCM_RATE, InputTranscription, Item
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
+from omnistage.server.realtime_tools import chat_tools
 from omnistage.server.realtime_warm import TurnWarmer, warm_up
 from omnistage.server.transcribe import transcribe
 from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
@@ -82,6 +85,8 @@ class _Response:
     output_tokens: int = 0
     finish_reason: str | None = None
     closing: bool = False                 # the stream ended; only the done events remain
+    calls: ToolCallStream | None = None   # with tools offered: text held while a call may start
+    found: list[ToolCall] = field(default_factory=list)   # the calls the answer made
 
 
 def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
@@ -512,15 +517,19 @@ class RealtimeSession:
         speaks = r.cfg.output_modalities == ["audio"]
         params = SamplingParams(temperature=r.cfg.temperature, max_tokens=r.cfg.max_output_tokens)
         opts = _output_options(r.cfg)
+        prompt = messages
+        if r.cfg.offered_tools:
+            prompt = {"messages": messages, "tools": chat_tools(r.cfg.offered_tools)}
+            r.calls = ToolCallStream()
         try:
-            await self._run(r, messages, params, opts, speaks)
+            await self._run(r, prompt, params, opts, speaks)
         except _Closed:
             pass
         finally:
             if self.active is r:
                 self.active = None
 
-    async def _run(self, r: _Response, messages: list[dict], params: SamplingParams,
+    async def _run(self, r: _Response, messages, params: SamplingParams,
                    opts: OutputOptions, speaks: bool) -> None:
         status, details = "completed", None
         try:
@@ -561,7 +570,13 @@ class RealtimeSession:
 
     async def _stream(self, r: _Response, deltas, speaks: bool) -> None:
         async for d in deltas:
-            if r.item is None:
+            if r.calls is not None:        # text that may be a call waits; calls come at the end
+                text = r.calls.push(d.text)
+                if d.finished:
+                    rest, r.found = r.calls.finish()
+                    text += rest
+                d = dataclasses.replace(d, text=text)
+            if r.item is None and (r.calls is None or d.text or d.audio is not None):
                 await self._open_item(r, speaks)
             await self._send_delta(r, d, speaks)
 
@@ -583,11 +598,11 @@ class RealtimeSession:
         r.output_tokens += len(d.token_ids)
         if d.finished:
             r.finish_reason = d.finish_reason
-        if d.text:
+        if d.text and r.item is not None:
             r.item.parts[0].text += d.text
             kind = "response.output_audio_transcript.delta" if speaks else "response.output_text.delta"
             await self.send({"type": kind, **self._where(r), "delta": d.text})
-        if d.audio is not None and speaks:
+        if d.audio is not None and speaks and r.item is not None:
             pcm = encode_audio(d.audio, d.sample_rate, "pcm")   # 16-bit little-endian at 24 kHz
             if r.first_audio_at is None:
                 r.first_audio_at = asyncio.get_running_loop().time()
@@ -615,6 +630,8 @@ class RealtimeSession:
             await self.send({"type": "conversation.item.done", "item": r.item.to_json(),
                              "previous_item_id": self.conv.previous_id(r.item.id)})
             output = [r.item]
+        for call in r.found if status == "completed" else []:
+            output.append(await self._hand_out_call(r, call, len(output)))
         if self.active is r:      # a response.create that answers response.done is welcome
             self.active = None
         if r.cancel_reason is None and not r.by_idle:
@@ -622,6 +639,27 @@ class RealtimeSession:
         await self.send({"type": "response.done", "response": response_json(
             r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens),
             r.metadata)})
+
+    async def _hand_out_call(self, r: _Response, call: ToolCall, index: int) -> Item:
+        """A call the answer made, as a function_call item and its events (the arguments whole
+        in one delta); the client runs it and answers with a function_call_output item."""
+        item = Item(new_id("item"), "", type="function_call", call_id=call.id, name=call.name,
+                    arguments=call.arguments)
+        shown = {**item.to_json(), "status": "in_progress", "arguments": ""}
+        where = {"response_id": r.id, "item_id": item.id, "output_index": index, "call_id": call.id}
+        await self.send({"type": "response.output_item.added", "response_id": r.id,
+                         "output_index": index, "item": shown})
+        previous = self.conv.last_id()
+        self.conv.items.append(item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": shown})
+        await self.send({"type": "response.function_call_arguments.delta", **where, "delta": call.arguments})
+        await self.send({"type": "response.function_call_arguments.done", **where, "name": call.name,
+                         "arguments": call.arguments})
+        await self.send({"type": "response.output_item.done", "response_id": r.id,
+                         "output_index": index, "item": item.to_json()})
+        await self.send({"type": "conversation.item.done", "item": item.to_json(),
+                         "previous_item_id": previous})
+        return item
 
     @staticmethod
     def _where(r: _Response) -> dict:

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from omnistage.chat_tools import template_takes_tools
 from omnistage.errors import InvalidRequestError
 from omnistage.media.audio import decode_base64, decode_pcm16
+from omnistage.server.realtime_tools import call_message, output_message, parse_tool_choice, parse_tools
 from omnistage.server.turn_detection import (SEMANTIC_VAD_KEYS, SERVER_VAD_KEYS, TurnDetection,
                                              parse_turn_detection)
 from omnistage.server.voices import resolve_voice
@@ -67,8 +69,6 @@ BETA_SESSION_KEYS = {"modalities": "session.output_modalities",
 # GA session fields not served here: the values that mean "none of it" (what session.created
 # reports), and why others are refused
 UNSERVED_SESSION_FIELDS = {
-    "tools": ((None, []), "tools (function calling) are not supported"),
-    "tool_choice": ((None, "auto", "none"), "tools (function calling) are not supported"),
     "parallel_tool_calls": ((None, True, False), "session.parallel_tool_calls must be a boolean"),
     "tracing": ((None,), "tracing is not supported"),
     "truncation": ((None, "disabled"), "truncation is not supported (a conversation that "
@@ -81,7 +81,7 @@ UNSERVED_SESSION_FIELDS = {
 
 # response.create's fields not served here, as UNSERVED_SESSION_FIELDS
 UNSERVED_RESPONSE_FIELDS = {key: UNSERVED_SESSION_FIELDS[key]
-                            for key in ("tools", "tool_choice", "parallel_tool_calls", "prompt", "reasoning")}
+                            for key in ("parallel_tool_calls", "prompt", "reasoning")}
 
 
 class RealtimeError(InvalidRequestError):
@@ -170,6 +170,13 @@ class SessionConfig:
     temperature: float = DEFAULT_TEMPERATURE   # extension (beta field): 0 is greedy
     turn_detection: TurnDetection | None = None   # None: the client commits turns itself
     transcription: InputTranscription | None = None   # None: user audio is not transcribed
+    tools: list[dict] = field(default_factory=list)   # realtime function tools (realtime_tools.py)
+    tool_choice: str = "auto"             # auto | none
+
+    @property
+    def offered_tools(self) -> list[dict]:
+        """The tools a response offers the model (none with tool_choice none)."""
+        return self.tools if self.tool_choice == "auto" else []
 
     def to_json(self, session_id: str, model: str) -> dict:
         return {"type": "realtime", "object": "realtime.session", "id": session_id,
@@ -182,7 +189,8 @@ class SessionConfig:
                                     "turn_detection": None if self.turn_detection is None
                                     else self.turn_detection.to_json()},
                           "output": {"format": PCM_FORMAT, "voice": self.voice, "speed": 1.0}},
-                "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+                "tools": list(self.tools), "tool_choice": self.tool_choice, "tracing": None,
+                "truncation": "disabled",
                 "max_output_tokens": _tokens_json(self.max_output_tokens),
                 "temperature": self.temperature}
 
@@ -194,13 +202,16 @@ class ModelAbilities:
     speakers: list[str]                   # voices; empty: the model does not speak
     hears_audio: bool                     # audio input parts are accepted
     max_audio_seconds: float              # per committed clip, and the input buffer's bound
+    takes_tools: bool = False             # its chat template renders function tools
 
 
 def model_abilities(engine) -> ModelAbilities:
     can = engine.abilities
     return ModelAbilities(speakers=list(can.speakers) if can.audio_output else [],
                           hears_audio=can.audio_input,
-                          max_audio_seconds=can.max_audio_seconds or DEFAULT_MAX_AUDIO_SECONDS)
+                          max_audio_seconds=can.max_audio_seconds or DEFAULT_MAX_AUDIO_SECONDS,
+                          # (text and omni engines: image/video models get no Realtime session)
+                          takes_tools=template_takes_tools(engine.tokenizer.chat_template))
 
 
 def default_config(model: ModelAbilities) -> SessionConfig:
@@ -225,6 +236,7 @@ def update_config(cfg: SessionConfig, session, model: ModelAbilities,
                                   param="session.type")
     _check_unserved(session, served_model)
     out = replace(cfg, output_modalities=list(cfg.output_modalities))
+    _apply_tools(out, session, "session", model)
     if "instructions" in session:
         out.instructions = _string(session["instructions"], "session.instructions")
     if "output_modalities" in session:
@@ -324,6 +336,7 @@ def response_config(session: SessionConfig, body, model: ModelAbilities) -> Sess
                                   "response.conversation) are not supported; drop them",
                                   param="response.conversation")
     cfg = replace(session)
+    _apply_tools(cfg, body, "response", model)
     if "output_modalities" in body:
         cfg.output_modalities = check_modalities(body["output_modalities"], model,
                                                  "response.output_modalities")
@@ -341,6 +354,17 @@ def response_config(session: SessionConfig, body, model: ModelAbilities) -> Sess
     if voice is not None:
         cfg.voice = check_voice(voice, model, "response.audio.output.voice")
     return cfg
+
+
+def _apply_tools(cfg: SessionConfig, obj: dict, prefix: str, model: ModelAbilities) -> None:
+    if "tools" in obj:
+        cfg.tools = parse_tools(obj["tools"], f"{prefix}.tools")
+        if cfg.tools and not model.takes_tools:
+            raise InvalidRequestError("this model's chat template has no function calling: it "
+                                      f"cannot be given tools; set {prefix}.tools to []",
+                                      param=f"{prefix}.tools")
+    if "tool_choice" in obj:
+        cfg.tool_choice = parse_tool_choice(obj["tool_choice"], f"{prefix}.tool_choice")
 
 
 def check_modalities(mods, model: ModelAbilities, param: str) -> list[str]:
@@ -407,16 +431,31 @@ class Part:
 @dataclass
 class Item:
     id: str
-    role: str                             # user | assistant | system
+    role: str                             # user | assistant | system ("" for function items)
     parts: list[Part] = field(default_factory=list)
     status: str = "completed"             # in_progress while a response writes it
+    type: str = "message"                 # message | function_call | function_call_output
+    call_id: str = ""                     # function items: the call they are or answer
+    name: str = ""                        # function_call: the function
+    arguments: str = ""                   # function_call: its arguments, JSON text
+    output: str = ""                      # function_call_output: what the client's run gave
 
     def to_json(self) -> dict:
-        return {"id": self.id, "type": "message", "object": "realtime.item", "role": self.role,
-                "status": self.status, "content": [p.to_json() for p in self.parts]}
+        base = {"id": self.id, "type": self.type, "object": "realtime.item"}
+        if self.type == "function_call":
+            return {**base, "status": self.status, "call_id": self.call_id, "name": self.name,
+                    "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**base, "call_id": self.call_id, "output": self.output}
+        return {**base, "role": self.role, "status": self.status,
+                "content": [p.to_json() for p in self.parts]}
 
     def message(self) -> dict:
         """The item as one chat message for the engine (see models/qwen2_5_omni/processor)."""
+        if self.type == "function_call":
+            return call_message(self.call_id, self.name, self.arguments)
+        if self.type == "function_call_output":
+            return output_message(self.call_id, self.output)
         if self.role != "user":
             return {"role": self.role, "content": "".join(p.text for p in self.parts)}
         return {"role": "user", "content": [
@@ -436,11 +475,13 @@ def audio_part(pcm: bytes, max_seconds: float, param: str) -> Part:
 
 def parse_item(item, model: ModelAbilities, taken: set[str]) -> Item:
     """conversation.item.create's `item`: a message from the user (input_text, input_audio),
-    the system (input_text) or the assistant (output_text)."""
+    the system (input_text) or the assistant (output_text); or a function_call_output (the
+    result of a call the model made) or a function_call (a call, to rebuild a history)."""
+    if isinstance(item, dict) and item.get("type") in ("function_call", "function_call_output"):
+        return _function_item(item, taken)
     if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise InvalidRequestError("item must be a message ({'type': 'message', 'role': ..., "
-                                  "'content': [...]}); function calls are not supported",
-                                  param="item.type")
+        raise InvalidRequestError("item.type must be message, function_call or "
+                                  "function_call_output", param="item.type")
     role = item.get("role")
     if role not in ("user", "assistant", "system"):
         raise InvalidRequestError("item.role must be 'user', 'assistant' or 'system'",
@@ -470,6 +511,22 @@ def parse_item(item, model: ModelAbilities, taken: set[str]) -> Item:
         else:
             parts.append(Part(kind, text=_string(p.get("text"), f"{param}.text")))
     return Item(item_id, role, parts)
+
+
+def _function_item(item: dict, taken: set[str]) -> Item:
+    kind = item["type"]
+    keys = ("call_id", "output") if kind == "function_call_output" else ("call_id", "name", "arguments")
+    unknown = set(item) - {"type", "id", "object", "status", *keys}
+    if unknown:
+        raise InvalidRequestError(f"a {kind} item has unknown keys {sorted(unknown)}", param="item")
+    values = {k: _string(item.get(k), f"item.{k}") for k in keys}
+    if not values["call_id"]:
+        raise InvalidRequestError(f"a {kind} item needs its call_id", param="item.call_id")
+    item_id = item.get("id") or new_id("item")
+    if not isinstance(item_id, str) or item_id in taken:
+        raise InvalidRequestError(f"item.id {item_id!r} is already in the conversation; "
+                                  "omit it to get a fresh one", param="item.id")
+    return Item(item_id, "", type=kind, **values)
 
 
 def insert_position(prev, items: list[Item]) -> int:

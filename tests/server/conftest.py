@@ -19,6 +19,7 @@ API_KEY = "test-key"
 class ServerProcess:
     base: str
     proc: subprocess.Popen
+    model: str = ""          # the model folder, where a fixture records it
 
 
 @contextlib.contextmanager
@@ -76,6 +77,18 @@ def omni_server_placed(tiny_omni: str, placement: str, folder):
         flags += ["--deploy-config", str(deploy)]
     with running_server(tiny_omni, *flags) as running:
         yield running.base
+
+
+@pytest.fixture(scope="session")
+def tools_server(tmp_path_factory):
+    """A server of tiny:qwen2 size `tools` (trained on weather-tool chats: its greedy answer to
+    a weather question is a call; omnistage/tiny/trained.py)."""
+    from omnistage.tiny import build_tiny
+
+    model = str(build_tiny("qwen2", tmp_path_factory.mktemp("tools"), size="tools"))
+    with running_server(model) as running:
+        running.model = model
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -17,16 +17,13 @@ ASK = [{"role": "user", "content": "What is the weather in Tokyo?"}]
 
 
 @pytest.fixture(scope="module")
-def tools_model(tmp_path_factory) -> str:
-    from omnistage.tiny import build_tiny
-
-    return str(build_tiny("qwen2", tmp_path_factory.mktemp("tools"), size="tools"))
+def tools_model(tools_server) -> str:
+    return tools_server.model
 
 
 @pytest.fixture(scope="module")
-def client(tools_model, start_server, api_key):
-    with start_server(tools_model) as running:
-        yield openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=60)
+def client(tools_server, api_key):
+    return openai.OpenAI(base_url=f"{tools_server.base}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def _is_weather_call(call) -> bool:
