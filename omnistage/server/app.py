@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.chat_tools import ToolCallStream, split_tool_calls
@@ -40,7 +40,7 @@ from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 from omnistage.server.realtime import add_realtime_route
 from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
                                      resolve_media_urls, stream_audio_delta)
-from omnistage.server.streams import chain
+from omnistage.server.streams import DeltaStreamingResponse, chain
 from omnistage.server.video_routes import add_video_routes
 from omnistage.version import __version__
 
@@ -232,8 +232,8 @@ async def _respond(engine: AsyncOmni, stats: ServerMetrics, request: Request, pr
     first = await anext(deltas)   # errors in the request surface here, before any byte is sent
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return StreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage,
-                                      output, tools), media_type="text/event-stream")
+        return DeltaStreamingResponse(_sse(engine, first, deltas, rid, model_name, chat, include_usage,
+                                           output, tools), deltas, media_type="text/event-stream")
     return JSONResponse(await _whole(engine, first, deltas, rid, model_name, chat, params.n, output,
                                      tools))
 

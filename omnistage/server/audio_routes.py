@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, File, Form, Request, UploadFile
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.engine_api import OutputOptions
@@ -23,7 +23,7 @@ from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.access_log import AccessRecord
 from omnistage.server.errors import error_event
-from omnistage.server.streams import chain
+from omnistage.server.streams import DeltaStreamingResponse, chain
 from omnistage.server.transcribe import transcribe
 from omnistage.server.voices import resolve_voice
 
@@ -94,11 +94,12 @@ async def _speech(engine, stats, body: SpeechBody, rid: str, record: AccessRecor
         record.audio_seconds += d.audio.size / d.sample_rate
 
     if body.stream_format == "sse":
-        return StreamingResponse(_speech_sse(first, deltas, counted), media_type="text/event-stream")
+        return DeltaStreamingResponse(_speech_sse(first, deltas, counted), deltas,
+                                      media_type="text/event-stream")
     if body.stream_format == "audio":
-        return StreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate,
-                                                counted),
-                                 media_type=content_type(body.response_format))
+        return DeltaStreamingResponse(_speech_chunks(first, deltas, body.response_format, can.sample_rate,
+                                                     counted), deltas,
+                                      media_type=content_type(body.response_format))
     chunks, rate = [], can.sample_rate
     async for d in chain(first, deltas):
         if d.audio is not None:

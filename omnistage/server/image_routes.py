@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.datastructures import FormData, UploadFile
 
 from omnistage.entrypoints.async_omni import AsyncOmni
@@ -31,7 +31,7 @@ from omnistage.server.errors import error_response
 from omnistage.server.image_protocol import (ImageRequest, b64, decode_mask, encode_image, pictures,
                                              size_of, validated)
 from omnistage.server.metrics import ServerMetrics
-from omnistage.server.streams import chain
+from omnistage.server.streams import DeltaStreamingResponse, chain
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ async def _serve(engine: AsyncOmni, stats: ServerMetrics, request: Request, prom
         return error_response(500, f"the image request failed: {e}", code="generation_failed")
     record = request.state.access
     if body.stream:
-        return StreamingResponse(_events(first, deltas, body, kind, stats, t0, record),
-                                 media_type="text/event-stream")
+        return DeltaStreamingResponse(_events(first, deltas, body, kind, stats, t0, record), deltas,
+                                      media_type="text/event-stream")
     final = await _final(chain(first, deltas))
     encoded = await asyncio.to_thread(_encode_all, final, body)
     stats.latency.observe(time.monotonic() - t0)

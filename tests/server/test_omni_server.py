@@ -257,3 +257,30 @@ def test_text_routes_on_the_omni_model(client):
     streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
     assert done.usage.completion_tokens == 5
+
+
+def test_a_client_gone_before_the_first_byte_aborts_its_request(omni_server, api_key):
+    """A client that sends a streamed request and leaves before any byte came back: the
+    request is aborted, not left to run its 2000 speech tokens for nobody (the response ended
+    before its body ever started: server/streams.py)."""
+    import json
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    auth = {"Authorization": f"Bearer {api_key}"}
+    before = _metrics(omni_server, auth)["omnistage_requests_aborted_total"]
+    body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True,
+                       "ignore_eos": True, "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
+                       "talker": {"max_tokens": 2000, "min_tokens": 2000}}).encode()
+    url = urlsplit(omni_server)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 30       # the request itself would take far longer
+    while True:
+        m = _metrics(omni_server, auth)
+        if m["omnistage_requests_aborted_total"] > before and m["omnistage_requests_in_engine"] == 0:
+            break
+        assert time.monotonic() < deadline, "the request of a client that left is still running"
+        time.sleep(0.05)
