@@ -9,7 +9,8 @@
  * pointer), the elementwise steps (RMSNorm, SiLU * up, residual adds) written here.
  *
  * Per layer, for the step's T rows (h: (T, hidden) residual stream, updated in place):
- *   x = rmsnorm(h) * w1; qkv = x Wqkv + b; RoPE + K/V into the cache; a = attention(q)
+ *   x = rmsnorm(h) * w1; qkv = x Wqkv + b; [Qwen3: rmsnorm of each q and k head];
+ *   RoPE + K/V into the cache; a = attention(q)
  *   [last layer, when out_rows is given: keep only those rows of a and h, in order]
  *   h += a Wo; x = rmsnorm(h) * w2; g|u = x Wgu; h += (silu(g) * u) Wdown
  * Every step is per row (the attention per sequence), so a row's result does not depend on
@@ -51,6 +52,8 @@ typedef struct {
 
 typedef struct {
     const float *norm1, *norm2;        /* input / post-attention RMSNorm weights (hidden) */
+    const float *q_norm, *k_norm;      /* per-head RMSNorm weights (head_dim) applied to every
+                                        * query / key head before RoPE (Qwen3), or both NULL */
     void *kv;                          /* the layer's cache (2, Hkv, num_blocks, BLOCK, D), float32
                                         * or bfloat16 as the attention kernels read it */
     Linear qkv, o, gate_up, down;
@@ -120,6 +123,18 @@ static void silu_mul(const float *gu, float *act, int64_t rows, int64_t n) {
     }
 }
 
+/* The query heads, then the key heads, of every qkv row (width ld) normalised in place, each
+ * head over its head_dim values (Qwen3's q_norm / k_norm). */
+static void head_norms(float *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t d, const float *qw, const float *kw, float eps) {
+    #pragma omp parallel for schedule(static) if (rows * ld > PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * ld;
+        rmsnorm(row, qw, row, heads, d, eps);
+        rmsnorm(row + heads * d, kw, row + heads * d, kv_heads, d, eps);
+    }
+}
+
 static void add_rows(float *h, const float *a, int64_t count) {
     #pragma omp parallel for schedule(static) if (count > PARALLEL_ELEMENTS)
     for (int64_t i = 0; i < count; i++) h[i] += a[i];
@@ -158,6 +173,8 @@ int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
         const Layer *L = s->layers + l;
         rmsnorm(h, L->norm1, x, t, hid, eps);
         product(&L->qkv, x, qkv, t);
+        if (L->q_norm != NULL)
+            head_norms(qkv, qkv_width, t, s->heads, s->kv_heads, s->head_dim, L->q_norm, L->k_norm, eps);
         s->rope_write(qkv, qkv_width, st->cos, st->sin, st->cs_stride, st->slots, L->kv, t,
                       s->kv_heads, s->num_blocks);
         int rc = 0;

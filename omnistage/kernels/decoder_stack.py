@@ -1,4 +1,4 @@
-"""A dense Qwen2-style decoder stack as one native call per step (decoder_stack.c): the
+"""A dense Qwen2/Qwen3-style decoder stack as one native call per step (decoder_stack.c): the
 same linear and attention kernels as the per-op path, with the layer loop, RMSNorm, SiLU and
 the residual adds in C instead of ~170 Python-dispatched ops per step."""
 
@@ -25,7 +25,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", _p), ("norm2", _p), ("kv", _p), ("qkv", _Linear), ("o", _Linear),
+    _fields_ = [("norm1", _p), ("norm2", _p), ("q_norm", _p), ("k_norm", _p), ("kv", _p),
+                ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear)]
 
 
@@ -63,6 +64,8 @@ class DenseLayer:
     o: Product                         # Hq D -> hidden
     gate_up: Product                   # hidden -> 2 * intermediate, gate | up
     down: Product                      # intermediate -> hidden
+    q_norm: torch.Tensor | None = None  # (head_dim,) Qwen3's per-head query RMSNorm weight
+    k_norm: torch.Tensor | None = None  # (head_dim,) ... key; both or neither
 
 
 class NativeDecoderStack:
@@ -123,8 +126,8 @@ class NativeDecoderStack:
             return _Linear(linear.address(w.format), w.panels.data_ptr(), pointer(w.group_scales),
                            w.group_size, pointer(w.column_scales), pointer(p.bias), w.out_features,
                            w.in_features)
-        return _Layer(x.norm1.data_ptr(), x.norm2.data_ptr(), x.kv.data_ptr(), product(x.qkv),
-                      product(x.o), product(x.gate_up), product(x.down))
+        return _Layer(x.norm1.data_ptr(), x.norm2.data_ptr(), pointer(x.q_norm), pointer(x.k_norm),
+                      x.kv.data_ptr(), product(x.qkv), product(x.o), product(x.gate_up), product(x.down))
 
     @staticmethod
     def _check(x: DenseLayer, heads: int, kv_heads: int, head_dim: int,
@@ -134,6 +137,9 @@ class NativeDecoderStack:
         for t in (x.norm1, x.norm2, x.kv):
             assert t.is_contiguous() and t.device.type == "cpu"
         assert x.norm1.dtype == x.norm2.dtype == torch.float32 and x.kv.dtype == kv_dtype
+        assert (x.q_norm is None) == (x.k_norm is None)
+        for t in (x.q_norm, x.k_norm):
+            assert t is None or (t.shape == (head_dim,) and t.dtype == torch.float32 and t.is_contiguous())
         assert x.qkv.weight.in_features == x.gate_up.weight.in_features == hidden
         assert x.qkv.weight.out_features == (heads + 2 * kv_heads) * head_dim
         assert x.o.weight.in_features == heads * head_dim and x.o.weight.out_features == hidden

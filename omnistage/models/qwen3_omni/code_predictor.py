@@ -26,6 +26,7 @@ from torch import nn
 
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.models.qwen3_omni.predictor_stack import PredictorStack
 
 CHECKPOINT_PREFIX = "talker.code_predictor."
 
@@ -60,6 +61,7 @@ class _Attention(nn.Module):
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         self.qkv = _stacked([q, k, v])
         self.eps = self.q_norm.eps
+        self.q_weight, self.k_weight = self.q_norm.weight.detach(), self.k_norm.weight.detach()   # (D,)
         self.register_buffer("qk_weight", torch.cat([self.q_norm.weight.expand(self.hq, -1),
                                                      self.k_norm.weight.expand(self.hkv, -1)]), persistent=False)
         del self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm
@@ -134,6 +136,8 @@ class CodePredictor(nn.Module):
         self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),
                                     device)
         self.kv_shape = (c["num_key_value_heads"], c["head_dim"])
+        self.attention_shape = (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+        self.native: PredictorStack | None = None     # use_native_stack
 
     def load_weights(self, weights) -> None:
         """Fill every tensor from `talker.code_predictor.*` (CheckpointError if one is missing or
@@ -142,26 +146,48 @@ class CodePredictor(nn.Module):
         for layer in self.model.layers:
             layer.fuse()
 
+    def use_native_stack(self) -> bool:
+        """After the products moved to the native kernel (layers.linear.native_linears_for):
+        run each codebook pass's layers as one native call (predictor_stack.py), where the
+        attention kernels take this shape; returns whether it does."""
+        layers = self.model.layers
+        eps = {layer.input_layernorm.eps for layer in layers} | {self.model.norm.eps}
+        eps |= {layer.post_attention_layernorm.eps for layer in layers} | {layer.self_attn.eps for layer in layers}
+        if len(eps) != 1 or not PredictorStack.serves(layers, self.attention_shape, self.num_code_groups):
+            return False
+        self.native = PredictorStack(layers, self.model.norm.weight.detach(), eps.pop(), self.rope,
+                                     self.attention_shape, self.num_code_groups)
+        return True
+
     @torch.inference_mode()
     def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor,
                 pick: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame per row. hidden, code0_embed: (B, H); `pick(logits (B, V) float32, j)`
         chooses code j (B,) for every row. -> (codes (B, G - 1), residual embedding (B, H))."""
         b, groups = hidden.shape[0], self.num_code_groups
-        kv = [hidden.new_empty(2, b, *self.kv_shape[:1], groups, self.kv_shape[1])
-              for _ in self.model.layers]                             # (2, B, Hkv, G, D) per layer
         x = torch.stack([hidden, code0_embed], dim=1)                 # (B, 2, H)
-        at, codes, embeds = 0, [], []
+        run = self.native.run if self.native is not None else self._torch_pass(b, hidden)
+        codes, embeds = [], []
         for j in range(1, groups):
+            out = run(x, j)                                           # (B, H) final-normed, last position
+            code = pick(self.lm_head[j - 1](out).float(), j)          # logits (B, V)
+            codes.append(code)
+            x = self.model.codec_embedding[j - 1](code)               # (B, H)
+            embeds.append(x)
+        # Summed as the reference sums a frame's embeddings: stacked in codebook order
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+
+    def _torch_pass(self, b: int, like: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """The per-op path's pass j over dense caches of the frames, (2, B, Hkv, G, D) per layer."""
+        kv = [like.new_empty(2, b, self.kv_shape[0], self.num_code_groups, self.kv_shape[1])
+              for _ in self.model.layers]
+
+        def run(x: torch.Tensor, j: int) -> torch.Tensor:
+            x = x if j == 1 else x.unsqueeze(1)                       # (B, n, H)
+            at = 0 if j == 1 else j
             positions = torch.arange(at, at + x.shape[1], device=x.device)
             cos_sin = tuple(t.unsqueeze(0) for t in self.rope.lookup(positions, x.dtype))
             for layer, cache in zip(self.model.layers, kv):
                 x = layer(x, cos_sin, cache, at)
-            at += x.shape[1]
-            logits = self.lm_head[j - 1](_rms(x[:, -1], self.model.norm)).float()     # (B, V)
-            code = pick(logits, j)
-            codes.append(code)
-            x = self.model.codec_embedding[j - 1](code).unsqueeze(1)     # (B, 1, H)
-            embeds.append(x[:, 0])
-        # Summed as the reference sums a frame's embeddings: stacked in codebook order
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+            return _rms(x[:, -1], self.model.norm)
+        return run

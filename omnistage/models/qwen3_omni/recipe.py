@@ -117,6 +117,7 @@ def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torc
     # The code predictor reads all its weights 15 times per frame (one token at a time):
     # matrix-vector products at memory speed, where F.linear streams at half of it.
     native_linears_for(config, dev, dtype, predictor, *projections)
+    predictor.use_native_stack()      # and each pass's layers in one call, where it serves
     end, pad = embedding_rows(files, THINKER_EMBED, [cfg["tts_eos_token_id"], cfg["tts_pad_token_id"]])
     return TalkerParts(projections[0].eval(), projections[1].eval(), predictor.eval(),
                        end.to(dev, dtype), pad.to(dev, dtype), prompt_id=t["codec_pad_id"])

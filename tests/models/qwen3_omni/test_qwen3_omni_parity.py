@@ -13,6 +13,7 @@ import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
+from omnistage.kernels.linear import native_linear_kernel
 
 FRAMES = 9          # talker steps asked of both sides (min = max: no early end of speech)
 SHAPES = {
@@ -103,6 +104,15 @@ def chunked_like_ours(hf_model, codes: torch.Tensor, settings) -> np.ndarray:
             pieces.append(hf_model.code2wav(codes[None, :, start - ctx:end])[0, 0, ctx * spf:])
             start, i = end, i + 1
     return torch.cat(pieces).numpy()
+
+
+def test_the_code_predictor_runs_where_the_kernels_put_it(omni):
+    """On the default kernels the code predictor's passes run on the native stack (what the
+    speech tests below then compare with transformers); on `matmul` per op."""
+    predictor = omni.engine.graph.stages["talker"].parts.predictor
+    native = omni.config.linear_kernel == "auto" and native_linear_kernel("auto", torch.device("cpu"),
+                                                                          torch.float32)[0] is not None
+    assert (predictor.native is not None) == native
 
 
 def test_text_only_thinker_tokens_equal_transformers(omni, hf):
