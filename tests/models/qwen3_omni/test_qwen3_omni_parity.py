@@ -152,7 +152,8 @@ def test_chunked_decode_semantics_on_request(folder, hf):
     from omnistage.models.qwen3_omni.recipe import Qwen3OmniSettings
 
     hf_model, tok = hf
-    settings = Qwen3OmniSettings(code2wav=Code2WavSettings(first_chunk=2, max_chunk=4, seamless=False))
+    settings = Qwen3OmniSettings(code2wav=Code2WavSettings(first_chunk=2, max_chunk=4, seamless=False,
+                                                                  playback_margin_s=None))
     with Omni(folder, num_threads=1, omni_settings=settings) as omni:
         out, codes = ours_generate(omni, PROMPTS[0], hf_model, 10)
     want = chunked_like_ours(hf_model, codes, settings.code2wav)
