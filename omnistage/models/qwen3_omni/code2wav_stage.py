@@ -9,9 +9,10 @@ grow: `first_chunk` frames, then `growth` times larger up to `max_chunk`, so a r
 only its first few frames while later chunks pay the left context's recomputation over more
 output. When the talker has finished, the frames left over go out as one last chunk.
 
-Growing chunks alone let the listener run dry: after 2 + 6 + 18 frames (2.1 s of speech) the
-next chunk of 54 frames (4.3 s) takes longer to produce than 2.1 s of playing (measured at
-concurrency 1: a 0.9 s silence). So a stream also has a playback deadline: from its first
+Growing chunks alone let the listener run dry: with first chunks of 2 frames, after 2 + 6 + 18
+frames (2.1 s of speech) the next chunk of 54 frames (4.3 s) took longer to produce than 2.1 s
+of playing (measured at concurrency 1: a 0.9 s silence); and a 2-frame first chunk (0.14 s)
+ran out before the next 6 frames came (hence 4). So a stream also has a playback deadline: from its first
 chunk on, the stage keeps count of the speech it sent against the time since; when the client
 has less than `playback_margin_s` left to play (or already ran dry), the frames the stream has
 go out at once, and such streams are decoded before the others, the closest to running dry
@@ -42,8 +43,8 @@ from omnistage.stages.base import Stage
 
 @dataclass(frozen=True)
 class Code2WavSettings:
-    first_chunk: int = 2         # frames of a request's first chunk (0.16 s of speech at 12.5 Hz)
-    growth: int = 3              # each chunk this many times the one before (2, 6, 18, 54, ...)
+    first_chunk: int = 4         # frames of a request's first chunk (0.32 s of speech at 12.5 Hz)
+    growth: int = 3              # each chunk this many times the one before (4, 12, 36, 64, ...)
     max_chunk: int = 64          # ... up to this; every chunk recomputes its context: fewer,
                                  # larger later chunks cost less (6 s of speech: 110 frames
                                  # decoded for 75 at growth 3, 147 at growth 2)

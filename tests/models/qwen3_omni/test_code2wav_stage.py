@@ -65,7 +65,7 @@ def feed(stage: Code2WavStage, rid: str, frames: torch.Tensor, finished: bool = 
 
 
 def test_without_a_deadline_chunks_grow_and_wait(model):
-    stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=None), clock=Clock())
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=None), clock=Clock())
     feed(stage, "a", codes(40))
     assert chunk_sizes(stage, "a") == [2, 6, 18]                # 54 frames not there yet: waits
     stage.clock.now += 60.0                                     # however long
@@ -74,7 +74,7 @@ def test_without_a_deadline_chunks_grow_and_wait(model):
 
 def test_a_stream_about_to_run_dry_gets_what_it_has(model):
     clock = Clock()
-    stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=0.6), clock=clock)
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=0.6), clock=clock)
     feed(stage, "a", codes(26))
     assert chunk_sizes(stage, "a") == [2, 6, 18]
     sent = stage._streams["a"].sent_s
@@ -89,7 +89,7 @@ def test_a_stream_about_to_run_dry_gets_what_it_has(model):
 
 def test_a_due_stream_with_fewer_frames_than_its_last_chunk_waits(model):
     clock = Clock()
-    stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=0.6), clock=clock)
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=0.6), clock=clock)
     feed(stage, "a", codes(8))
     assert chunk_sizes(stage, "a") == [2, 6]
     feed(stage, "a", codes(5, seed=1))
@@ -103,7 +103,7 @@ def test_a_stream_slower_than_real_time_keeps_growing_chunks(model):
     """More requests than the machine serves in real time: small chunks cannot close the gap
     and would spend the steps on their left context."""
     clock = Clock()
-    stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=0.6), clock=clock)
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=0.6), clock=clock)
     feed(stage, "a", codes(8))
     assert chunk_sizes(stage, "a") == [2, 6]
     clock.now += 3.0                                            # 25 frames (2 s of speech) in 3 s
@@ -116,7 +116,7 @@ def test_a_stream_slower_than_real_time_keeps_growing_chunks(model):
 
 def test_a_dry_stream_that_keeps_up_gets_what_it_has(model):
     clock = Clock()
-    stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=0.6), clock=clock)
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=0.6), clock=clock)
     feed(stage, "a", codes(8))
     assert chunk_sizes(stage, "a") == [2, 6]
     clock.now += 0.7                                            # dry; 15 frames (1.2 s) in 0.7 s
@@ -150,7 +150,7 @@ def test_deadline_chunks_join_into_the_same_waveform(model):
 
     def run(margin: float | None) -> list[torch.Tensor]:
         clock = Clock()
-        stage = Code2WavStage("code2wav", model, Code2WavSettings(playback_margin_s=margin), clock=clock)
+        stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=margin), clock=clock)
         pieces = []
         for i in range(0, 50, 5):
             feed(stage, "a", frames[:, i:i + 5], finished=i == 45)
