@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.layers.snake import SnakeBeta
+
 # The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
 RESAMPLE_RATIO = 2
 RESAMPLE_TAPS = 12
@@ -59,20 +61,6 @@ class AntiAliasedSnake(nn.Module):
         y = self.act(up[..., crop_l:up.shape[-1] - crop_r])
         y = F.pad(y, (k // 2 - 1 + k % 2, k // 2), mode="replicate")
         return F.conv1d(y, fir, stride=r, groups=c)
-
-
-class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha, beta stored as logs)."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(channels), requires_grad=False)
-        self.beta = nn.Parameter(torch.zeros(channels), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # (B, C, L)
-        freq = self.alpha.exp().unsqueeze(-1)
-        inv_mag = 1.0 / (self.beta.exp().unsqueeze(-1) + 1e-9)
-        return x + inv_mag * torch.sin(x * freq).pow(2)
 
 
 class AMPBlock(nn.Module):

@@ -41,6 +41,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from omnistage.errors import InvalidRequestError
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.snake import SnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
 
 CHECKPOINT_PREFIX = "code2wav."
@@ -146,20 +147,6 @@ class TrimmedTransposedConv(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
         return y[..., self.trim:y.shape[-1] - self.trim]
-
-
-class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / (e^beta + 1e-9), per channel: (B, C, L) -> (B, C, L)."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.empty(channels))     # log frequency
-        self.beta = nn.Parameter(torch.empty(channels))      # log magnitude
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        freq = self.alpha.exp().unsqueeze(-1)                # (C, 1)
-        inv_mag = 1.0 / (self.beta.exp().unsqueeze(-1) + 1e-9)
-        return x + inv_mag * torch.sin(x * freq).pow(2)
 
 
 class ConvNeXtBlock(nn.Module):
