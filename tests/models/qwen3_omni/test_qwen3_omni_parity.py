@@ -86,8 +86,8 @@ def ours_generate(omni, prompt, hf_model, max_tokens: int):
         hook.remove()
     stage = omni.engine.graph.stages["code2wav"].settings
     codes, done = [], 0
-    for i, w in enumerate(windows):                   # each window: context + the chunk
-        n = stage.chunk(i) if done + stage.chunk(i) <= FRAMES - 1 else (FRAMES - 1) - done
+    for w in windows:                                 # each window: context + the chunk
+        n = w.shape[1] - min(stage.left_context, done)
         codes.append(w[:, -n:])
         done += n
     return out, torch.cat(codes, dim=1)
