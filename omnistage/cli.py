@@ -68,6 +68,25 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--token2wav-bf16", action="store_true",
                    help="speech decoder DiT matmuls in bfloat16: ~1.4x faster on CPUs with bf16 "
                         "units, mel within ~0.2%% RMS of float32 (default: float32, as the reference)")
+    g.add_argument("--code2wav-playback-margin", type=_margin, default=0.6, metavar="SECONDS|off",
+                   help="Qwen3-Omni: a listener with less than this much sent speech left to play "
+                        "gets the frames its request has at once instead of the next chunk size "
+                        "(default: 0.6). The chunk boundaries then depend on timing, and the audio "
+                        "on them by float rounding; 'off': chunk sizes only, the same audio bytes "
+                        "in every run")
+
+
+def _margin(value: str) -> float | None:
+    """--code2wav-playback-margin: seconds >= 0, or off."""
+    if value.strip().lower() == "off":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'off', got {value!r}")
+    return seconds
 
 
 def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
@@ -78,7 +97,10 @@ def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
     if architecture_of(read_config(model_dir)) == "Qwen3OmniMoeForConditionalGeneration":
         from omnistage.models.qwen3_omni.recipe import Qwen3OmniSettings
 
-        return {"deploy_config": args.deploy_config, "omni_settings": Qwen3OmniSettings()}
+        from omnistage.models.qwen3_omni.code2wav_stage import Code2WavSettings
+
+        code2wav = Code2WavSettings(playback_margin_s=args.code2wav_playback_margin)
+        return {"deploy_config": args.deploy_config, "omni_settings": Qwen3OmniSettings(code2wav=code2wav)}
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
     from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
