@@ -44,10 +44,10 @@ from omnistage.stages.base import Stage
 @dataclass(frozen=True)
 class Code2WavSettings:
     first_chunk: int = 4         # frames of a request's first chunk (0.32 s of speech at 12.5 Hz)
-    growth: int = 3              # each chunk this many times the one before (4, 12, 36, 64, ...)
-    max_chunk: int = 64          # ... up to this; every chunk recomputes its context: fewer,
-                                 # larger later chunks cost less (6 s of speech: 110 frames
-                                 # decoded for 75 at growth 3, 147 at growth 2)
+    growth: int = 3              # each chunk this many times the one before (4, 12, 24, 24, ...)
+    max_chunk: int = 24          # ... up to this (1.9 s of speech): a chunk's decoder recomputes
+                                 # only its reach (~5 frames), so smaller chunks cost little more,
+                                 # and a listener never waits for a long chunk's decode
     left_context: int = 25       # frames of context before each chunk (transformers' default)
     # Window frames (context included) decoded per step, first chunks first (at least one
     # chunk): a step stays short, so the thinker and talker keep their pace under load.
