@@ -110,9 +110,8 @@ class Code2WavStage(Stage):
 
     def add(self, message: CodecFrames) -> None:
         s = self._streams.setdefault(message.request_id, _Stream())
-        if s.first_frame is None and message.codes.numel():
-            s.first_frame = self.clock()
         if message.codes.numel():
+            s.first_frame = self.clock() if s.first_frame is None else s.first_frame
             s.frames.append(message.codes)
             s.total += message.codes.shape[1]
         s.finished = s.finished or message.finished

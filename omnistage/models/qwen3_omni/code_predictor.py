@@ -135,7 +135,6 @@ class CodePredictor(nn.Module):
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),
                                     device)
-        self.kv_shape = (c["num_key_value_heads"], c["head_dim"])
         self.attention_shape = (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
         self.native: PredictorStack | None = None     # use_native_stack
 
@@ -179,7 +178,8 @@ class CodePredictor(nn.Module):
 
     def _torch_pass(self, b: int, like: torch.Tensor) -> Callable[[torch.Tensor, int], torch.Tensor]:
         """The per-op path's pass j over dense caches of the frames, (2, B, Hkv, G, D) per layer."""
-        kv = [like.new_empty(2, b, self.kv_shape[0], self.num_code_groups, self.kv_shape[1])
+        _, kv_heads, head_dim = self.attention_shape
+        kv = [like.new_empty(2, b, kv_heads, self.num_code_groups, head_dim)
               for _ in self.model.layers]
 
         def run(x: torch.Tensor, j: int) -> torch.Tensor:

@@ -35,7 +35,7 @@ class PredictorStack:
     def __init__(self, layers: Sequence, final_norm: torch.Tensor, eps: float, rope: RotaryEmbedding,
                  shape: tuple[int, int, int], positions: int):
         heads, self.kv_heads, self.head_dim = shape
-        self.block = -(-positions // 16) * 16               # the kernels' blocks: multiples of 16
+        self.block = _block(positions)
         self.attention = PagedAttentionKernel(heads, self.kv_heads, self.head_dim, self.block)
         self.layers, self.final_norm, self.eps, self.rope = list(layers), final_norm, eps, rope
         self.groups = positions
@@ -51,7 +51,7 @@ class PredictorStack:
             return False
         heads, kv_heads, head_dim = shape
         return unsupported_reason(torch.device("cpu"), torch.float32, torch.float32, heads, kv_heads,
-                                  head_dim, -(-positions // 16) * 16) is None
+                                  head_dim, _block(positions)) is None
 
     def _bind(self, rows: int) -> NativeDecoderStack:
         """The stack over caches for at least `rows` frames (grown by doubling, never shrunk)."""
@@ -112,6 +112,11 @@ class _Pass:
     slots: torch.Tensor                # (T,) cache slots: frame b's block is b
     batches: NativeBatches
     out_rows: torch.Tensor | None      # the first pass keeps each frame's second row
+
+
+def _block(positions: int) -> int:
+    """One block holds a frame's positions; the kernels' blocks are multiples of 16."""
+    return -(-positions // 16) * 16
 
 
 def _product(m: NativeLinear) -> Product:
