@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-opt", action="append", default=[], type=_engine_option,
                    metavar="KEY=VALUE", help="omnistage engine option, e.g. linear_kernel=matmul")
     p.add_argument("--out-json", help="also write the final JSON object here")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="write every stage step of every level as JSON lines (level, stage, start "
+                        "and end seconds since the level began, requests in the stage): what first "
+                        "audio waits on")
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
@@ -225,6 +229,7 @@ class StageTimes:
     step_s: dict[str, float]   # stage name (or GRAPH: the whole engine step) -> summed wall s
     calls: dict[str, int]      # step() calls that computed something
     parts_s: dict[str, float]  # token2wav's DiT and BigVGAN forwards (inside its step_s)
+    steps: list[tuple[str, float, float, int]]   # StageClock.steps
 
 
 class StageClock:
@@ -247,8 +252,10 @@ class StageClock:
         self._started: dict[str, float] = {}
         self._names = [*pipeline.graph.stages, GRAPH]   # listed even if never stepped
         self.codes: dict[str, list[int]] = defaultdict(list)   # request id -> talker codes
+        # (stage, start, end, requests in the stage after the step), perf_counter seconds
+        self.steps: list[tuple[str, float, float, int]] = []
         for stage in pipeline.graph.stages.values():
-            stage.step = self._timed(stage.name, stage.step)
+            stage.step = self._timed(stage.name, stage.step, stage.num_requests)
         pipeline.step = self._timed(GRAPH, pipeline.step)
         t2w = pipeline.graph.stages.get("token2wav")
         if isinstance(t2w, VocoderStage):
@@ -264,7 +271,7 @@ class StageClock:
             return add(chunk)
         return recording
 
-    def _timed(self, key: str, step):
+    def _timed(self, key: str, step, requests=None):
         def timed(*args, **kwargs):
             self._sync()
             t0 = time.perf_counter()
@@ -272,8 +279,11 @@ class StageClock:
                 return step(*args, **kwargs)
             finally:
                 self._sync()
-                self._s[key] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self._s[key] += t1 - t0
                 self._calls[key] += 1
+                if requests is not None:
+                    self.steps.append((key, t0, t1, requests()))
         return timed
 
     def _start(self, part: str) -> None:
@@ -285,13 +295,14 @@ class StageClock:
         self._parts[part] += time.perf_counter() - self._started.pop(part)
 
     def reset(self) -> None:
+        self.steps.clear()
         self._s.clear()
         self._calls.clear()
         self._parts.clear()
 
     def take(self) -> StageTimes:
         out = StageTimes({k: self._s[k] for k in self._names},
-                         {k: self._calls[k] for k in self._names}, dict(self._parts))
+                         {k: self._calls[k] for k in self._names}, dict(self._parts), list(self.steps))
         self.reset()
         return out
 
@@ -303,6 +314,7 @@ class LevelResult:
     wall_s: float              # first submit -> last request done
     stages: StageTimes
     other_cores: float         # cores other processes used meanwhile
+    started: float = 0.0       # perf_counter at the first submit
 
     @property
     def throughput(self) -> float:
@@ -449,7 +461,7 @@ async def run_level(engine, clock: StageClock, c: int, indices: list[int], think
     for t in timings:
         rid = f"c{c}-r{t.index}"
         t.codes = clock.codes.pop(rid, None) or (capture.frames.pop(rid, None) if capture else None)
-    return LevelResult(c, list(timings), wall, clock.take(), load.get("other_cores", 0.0))
+    return LevelResult(c, list(timings), wall, clock.take(), load.get("other_cores", 0.0), t0)
 
 
 async def _all_levels(engine, args: argparse.Namespace, report: dict,
@@ -473,6 +485,21 @@ async def _all_levels(engine, args: argparse.Namespace, report: dict,
         levels[c] = res
         log(res.line() + _busy_note({"other_cores": res.other_cores}))
         print_breakdown(res)
+        if args.timeline:
+            write_timeline(args.timeline, res, append=start > n)
+
+
+def write_timeline(path: str, res: LevelResult, append: bool) -> None:
+    """One JSON line per stage step (see --timeline), then one per request (its first audio and
+    last audio, seconds since the level began)."""
+    with open(path, "a" if append else "w") as f:
+        for stage, t0, t1, n in res.stages.steps:
+            f.write(json.dumps({"level": res.concurrency, "stage": stage, "start": round(t0 - res.started, 4),
+                                "end": round(t1 - res.started, 4), "requests": n}) + "\n")
+        for t in res.timings:
+            f.write(json.dumps({"level": res.concurrency, "request": t.index, "ttfa": round(t.ttfa_s, 4),
+                                "last_audio": round(t.last_audio_s, 4),
+                                "chunks": [[round(a, 4), round(d, 4)] for a, d in t.chunks]}) + "\n")
 
 
 def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResult]:

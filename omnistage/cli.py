@@ -179,6 +179,11 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of identical prompt prefixes")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    g.add_argument("--host-memory", default="retain", choices=["retain", "system"],
+                   help="retain: glibc's malloc keeps freed memory for the next step (blocks up to "
+                        "32 MiB from the heap, up to 1 GiB kept free at its top) instead of "
+                        "faulting in fresh pages for every large activation; resident memory stays "
+                        "at its high-water mark. system: the C library's defaults (default: retain)")
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "native", "onednn", "matmul"],
                    help="linear layers of the LLM stages: our native CPU kernel (fp32, compiled on "
                         "first use), oneDNN's packed GEMM (fp32 on CPU) or plain matmul (default: "

@@ -30,6 +30,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True    # reuse KV blocks of identical prompt prefixes
     seed: int = 0                         # seed of unseeded sampling
     num_threads: int | None = None        # torch CPU threads; default: torch's choice
+    host_memory: str = "retain"           # retain (glibc keeps freed memory for reuse) | system (the C library's defaults)
     linear_kernel: str = "auto"           # auto (native on CPU fp32 when it builds, else onednn) | native | onednn | matmul
     attention_kernel: str = "auto"        # auto (native on CPU fp32 when it builds) | native | torch
     quantization: str = "none"            # none | bf16 | int8 | int4: linear weights, native kernel (CPU)
@@ -51,6 +52,8 @@ class EngineConfig:
                 raise bad(name, f"must be a positive integer or unset, got {v!r}")
         if self.linear_kernel not in ("auto", "native", "onednn", "matmul"):
             raise bad("linear_kernel", f"must be auto, native, onednn or matmul; got {self.linear_kernel!r}")
+        if self.host_memory not in ("retain", "system"):
+            raise bad("host_memory", f"must be retain or system; got {self.host_memory!r}")
         if self.attention_kernel not in ("auto", "native", "torch"):
             raise bad("attention_kernel", f"must be auto, native or torch; got {self.attention_kernel!r}")
         if self.quantization not in WEIGHT_FORMATS:

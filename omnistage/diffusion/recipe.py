@@ -21,6 +21,7 @@ from omnistage.layers.checkpoint import read_model_index
 from omnistage.outputs import Delta
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.recipe import Recipe
+from omnistage.runtime.process import apply_process_options
 
 STAGE = "diffusion"
 
@@ -57,8 +58,7 @@ def build_family(config: EngineConfig, device: torch.device | None = None):
 def build_stage(name: str, config: EngineConfig, settings: DiffusionSettings) -> DiffusionStage:
     if name != STAGE:
         raise ValueError(f"diffusion models have one stage, {STAGE!r}, not {name!r}")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    apply_process_options(config)
     family = build_family(config)
     vae = getattr(family, "vae", None)
     if isinstance(vae, torch.nn.Module):

@@ -23,6 +23,7 @@ from omnistage.llm.scheduler import Scheduler, SchedulerPlan
 from omnistage.llm.sequence import EmbedFeed, SeqIdCounter, Sequence
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
+from omnistage.runtime.process import apply_process_options
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,7 @@ class LLMEngine:
         `omnistage.models.loader.load_text_model`) with `tokenizer` (None: no text, e.g. a
         codec-token stage) and its `eos_ids`."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        apply_process_options(config)
         self.device = config.torch_device
         self.model, self.tokenizer = model, tokenizer
         self.dtype = next(model.parameters()).dtype

@@ -33,6 +33,7 @@ from omnistage.stages.ar import ARStage
 from omnistage.stages.base import Stage
 from omnistage.stages.encoder import EncoderStage
 from omnistage.stages.recipe import Recipe
+from omnistage.runtime.process import apply_process_options
 
 
 @dataclass
@@ -83,8 +84,7 @@ def model_dtype(config: EngineConfig) -> torch.dtype:
 def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stage:
     """Build one stage from the folder, loading only the weights it needs."""
     dev, dtype, model_dir = config.torch_device, model_dtype(config), Path(config.model)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    apply_process_options(config)
     if name == "encoder":
         tc = thinker_config(model_dir)
         files = safetensors_files(model_dir)

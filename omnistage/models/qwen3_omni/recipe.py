@@ -36,6 +36,7 @@ from omnistage.stages.ar import ARStage
 from omnistage.stages.base import Stage
 from omnistage.stages.encoder import EncoderStage
 from omnistage.stages.recipe import Recipe
+from omnistage.runtime.process import apply_process_options
 
 THINKER_EMBED = "thinker.model.embed_tokens.weight"
 
@@ -71,8 +72,7 @@ def load_thinker_tokenizer(config: EngineConfig):
 def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) -> Stage:
     """Build one stage from the folder, loading only the weights it needs."""
     dev, dtype, model_dir = config.torch_device, model_dtype(config), Path(config.model)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    apply_process_options(config)
     cfg = read_config(model_dir)
     if name == "encoder":
         return EncoderStage(name, _encoders(config, cfg, dtype, dev, settings.audio_cache_windows),
