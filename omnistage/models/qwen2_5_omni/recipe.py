@@ -18,6 +18,7 @@ from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_token
                                          safetensors_files)
 from omnistage.layers.linear import native_linears_for
 from omnistage.layers.onednn import onednn_linear_available
+from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
@@ -117,6 +118,8 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
             t2w.dit.bf16_matmuls = True    # (packed fp32 GEMMs would ignore autocast)
         elif config.linear_kernel != "matmul" and onednn_linear_available(dev, torch.float32):
             t2w.dit.pack_for_onednn()      # ~1.7x on the DiT's GEMMs on CPU
+        if config.linear_kernel != "matmul":
+            use_native_snake(t2w.vocoder)  # BigVGAN's activations in one pass each
         return VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
     raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")
 

@@ -19,6 +19,7 @@ from omnistage.config import EngineConfig
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
 from omnistage.layers.linear import native_linears_for
+from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.loader import embedding_rows
@@ -90,6 +91,8 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
     if name == "code2wav":
         model = Code2Wav(cfg["code2wav_config"], torch.float32, dev)
         model.load_weights(iter_weights(safetensors_files(model_dir)))
+        if config.linear_kernel != "matmul":
+            use_native_snake(model)        # SnakeBeta in one pass each (~30% of its time)
         return Code2WavStage(name, model.eval(), settings.code2wav)
     raise ValueError(f"Qwen3-Omni has no stage {name!r}")
 

@@ -25,6 +25,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from omnistage.errors import CheckpointError, InvalidRequestError
+from omnistage.layers.snake import use_native_snake
 from omnistage.models.qwen3_omni.code2wav import (Code2Wav, Code2WavConfig, Code2WavWindow,
                                                   sliding_causal_mask)
 
@@ -124,6 +125,22 @@ def test_forward_matches_transformers(models, frames, batch):
     assert got.shape == want.shape == (batch, 1, frames * SPF - TRIMMED)
     assert 0.05 < want.abs().max() < 1.0          # a real, unclamped signal
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("frames", [7, 40])
+def test_native_snake_matches_transformers(models, frames):
+    """The decoder's SnakeBeta through the native kernel (as the recipe runs it on CPU): the
+    whole forward and streamed windows within the same tolerance."""
+    hf, ours = models
+    native = load(ours.config, checkpoint(hf))
+    assert use_native_snake(native) == 1 + 3 * 2 * len(CONFIG["upsample_rates"]) + len(CONFIG["upsample_rates"])
+    codes = codes_for(2, frames, seed=frames + 1)
+    with torch.no_grad():
+        want = hf(codes)
+    torch.testing.assert_close(native(codes), want, atol=ATOL, rtol=0)
+    window = Code2WavWindow(codes[0], 3, frames, 25)
+    torch.testing.assert_close(native.decode_windows([window])[0], hf_window(hf, codes[0], 3, frames, 25),
+                               atol=ATOL, rtol=0)
 
 
 def test_other_codes_give_another_waveform(models):

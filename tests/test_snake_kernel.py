@@ -1,0 +1,67 @@
+"""SnakeBeta's native one-pass kernel (kernels/snake.c) against the torch ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from omnistage.kernels.snake import SnakeKernel
+from omnistage.layers.snake import SnakeBeta, use_native_snake
+
+
+def snake(channels: int, seed: int) -> SnakeBeta:
+    g = torch.Generator().manual_seed(seed)
+    m = SnakeBeta(channels)
+    m.alpha.copy_(torch.randn(channels, generator=g) * 0.7)
+    m.beta.copy_(torch.randn(channels, generator=g) * 0.7)
+    return m
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return SnakeKernel()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 3, 17), (1, 16, 7680), (3, 5, 100), (4, 64, 33)])
+def test_native_equals_torch(kernel, shape):
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape) * 4                       # sin's argument over many periods
+    m = snake(shape[1], seed=shape[-1])
+    want = m(x)
+    m.kernel = kernel
+    got = m(x)
+    assert got.is_contiguous() and got.shape == want.shape
+    # float32 rounding of a sum whose terms reach ~10: within 2 ulp of the torch ops
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    assert (got - want).abs().max() > 0 or x.numel() < 16     # really another code path
+
+
+def test_strided_inputs_and_extreme_values(kernel):
+    m = snake(4, seed=1)
+    x = torch.randn(2, 4, 40)[..., 3:-5]             # a trimmed transposed conv's output view
+    x[0, 0, :6] = torch.tensor([3e4, -1e6, float("inf"), float("-inf"), float("nan"), 8191.0])
+    want = m(x)
+    m.kernel = kernel
+    got = m(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, equal_nan=True)
+    assert got[0, 0, 2:5].isnan().all()              # inf + nan, as torch gives
+
+
+def test_other_inputs_keep_the_torch_path(kernel):
+    m = snake(3, seed=2).double()
+    x = torch.randn(1, 3, 20, dtype=torch.float64)
+    want = m(x)
+    m.kernel = kernel
+    assert not kernel.supports(x)
+    assert torch.equal(m(x), want)                   # float64: the same ops, bit for bit
+    m32 = snake(3, seed=2)
+    m32.kernel = kernel
+    assert m32(torch.zeros(0, 3, 5)).shape == (0, 3, 5)      # empty: nothing for the C code
+
+
+def test_use_native_snake_sets_every_activation():
+    model = nn.Sequential(snake(2, 0), nn.Conv1d(2, 2, 1), nn.Sequential(snake(2, 1)))
+    assert use_native_snake(model) == 2
+    assert all(isinstance(m.kernel, SnakeKernel) for m in model.modules() if isinstance(m, SnakeBeta))
+    assert use_native_snake(nn.Linear(2, 2)) == 0
