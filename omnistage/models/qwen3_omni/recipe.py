@@ -93,7 +93,9 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
         model.load_weights(iter_weights(safetensors_files(model_dir)))
         if config.linear_kernel != "matmul":
             use_native_snake(model)        # SnakeBeta in one pass each (~30% of its time)
-        return Code2WavStage(name, model.eval(), settings.code2wav)
+        stage = Code2WavStage(name, model.eval(), settings.code2wav)
+        stage.warm_up()
+        return stage
     raise ValueError(f"Qwen3-Omni has no stage {name!r}")
 
 
