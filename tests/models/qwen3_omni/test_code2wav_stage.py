@@ -171,3 +171,20 @@ def test_settings_refuse_bad_deadlines():
         Code2WavSettings(playback_margin_s=-0.1)
     with pytest.raises(ValueError, match="deadline_chunk"):
         Code2WavSettings(deadline_chunk=0)
+
+
+def test_warm_up_leaves_no_stream_and_changes_no_output(model):
+    """warm_up decodes windows of its own before serving: no request appears, and a request's
+    chunks afterwards are the same samples as from a stage that never warmed up."""
+    settings = Code2WavSettings(playback_margin_s=None)
+    cold, warm = Code2WavStage("code2wav", model, settings), Code2WavStage("code2wav", model, settings)
+    warm.warm_up(first_chunk_batches=(1, 3))
+    assert warm.num_requests() == 0 and not warm.has_work()
+    outs = []
+    for stage in (cold, warm):
+        feed(stage, "r", codes(9, seed=3), finished=True)
+        pcm = []
+        while stage.has_work():
+            pcm += [o.payload.samples for o in stage.step()]
+        outs.append(torch.cat(pcm))
+    assert outs[0].numel() > 0 and torch.equal(outs[0], outs[1])
