@@ -55,6 +55,10 @@ class OutputOptions:
     # the talker reads) stay in the prefix cache, so a later request whose prompt begins the
     # same computes only the rest (the Realtime API's streamed input warms a turn this way).
     prefill_only: bool = False
+    # A transcription (/v1/audio/transcriptions, Realtime input transcription): the prompt asks
+    # for the transcript of its audio. A model that hears through its own ASR (the cascade)
+    # answers with what it heard; the omni models answer the ask as written.
+    transcribe: bool = False
 
     def text_params(self, params: SamplingParams) -> SamplingParams:
         """The text sampling this request runs with: one token when it only prefills."""

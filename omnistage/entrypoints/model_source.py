@@ -6,11 +6,15 @@ import os
 import shutil
 from pathlib import Path
 
+from omnistage.models.cascade.spec import PREFIX, cascade_folder
 from omnistage.paths import cache_dir
 
 
 def resolve_model(model: str) -> str:
-    """`tiny:ARCH[:size]` -> a tiny random checkpoint built on first use (seed 0)."""
+    """`tiny:ARCH[:size]` -> a tiny random checkpoint built on first use (seed 0);
+    `cascade:ASR+LLM+TTS` -> the cascade's folder (models/cascade/spec.py)."""
+    if model.startswith(PREFIX):
+        return str(cascade_folder(model, resolve_model))
     if not model.startswith("tiny:"):
         return model
     parts = model.split(":")

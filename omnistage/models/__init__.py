@@ -16,6 +16,7 @@ _ARCHITECTURES = {
 STAGE_GRAPH_ARCHITECTURES = {
     "Qwen2_5OmniForConditionalGeneration": "omnistage.models.qwen2_5_omni.pipeline:Qwen2_5OmniPipeline",
     "Qwen3OmniMoeForConditionalGeneration": "omnistage.models.qwen3_omni.pipeline:Qwen3OmniPipeline",
+    "OmnistageCascade": "omnistage.models.cascade.pipeline:CascadePipeline",   # models/cascade/spec.py
     # diffusers folders (model_index.json "_class_name"): one pipeline for every family
     **{name: "omnistage.diffusion.pipeline:DiffusionPipeline" for name in (
         "QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline",

@@ -32,4 +32,5 @@ def transcribe(engine, audio: np.ndarray, request_id: str, language: str | None 
     """The transcript's deltas (text only); leaving the iterator aborts the request."""
     return engine.generate(transcription_messages(audio, language, prompt),
                            SamplingParams(temperature=temperature, max_tokens=MAX_TRANSCRIPT_TOKENS),
-                           request_id=request_id, output=OutputOptions(modalities=["text"]))
+                           request_id=request_id,
+                           output=OutputOptions(modalities=["text"], transcribe=True))

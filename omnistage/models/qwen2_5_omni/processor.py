@@ -133,46 +133,10 @@ class OmniProcessor:
         return audios, images, videos
 
     def _bytes_of(self, part: dict, key: str, where: str) -> bytes:
-        value = part.get(key)
-        if isinstance(value, dict) and key.endswith("_url"):
-            value = value.get("url")
-        if isinstance(value, str):
-            if not value.startswith("data:"):
-                raise InvalidRequestError(f"{where}: media URLs are not fetched; send the media "
-                                          f"inline as a data: URL (base64)", param=where)
-            value = parse_data_url(value, param=where, max_bytes=self.limits.max_media_bytes).data
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise InvalidRequestError(f"{where}: {key} must be bytes or a data: URL", param=where)
-        if len(value) > self.limits.max_media_bytes:
-            raise InvalidRequestError(f"{where}: media of {len(value)} bytes is over the "
-                                      f"{self.limits.max_media_bytes}-byte limit", param=where)
-        return bytes(value)
+        return part_bytes(part, key, where, self.limits)
 
     def _audio(self, part: dict, where: str):
-        if part["type"] == "input_audio":
-            body = part.get("input_audio")
-            if not isinstance(body, dict) or not isinstance(body.get("data"), str):
-                raise InvalidRequestError(f"{where}: input_audio needs {{'data': base64, 'format': ...}}",
-                                          param=where)
-            fmt = body.get("format", "wav")
-            if fmt not in INPUT_AUDIO_FORMATS:
-                raise InvalidRequestError(f"{where}: input_audio.format must be one of "
-                                          f"{', '.join(INPUT_AUDIO_FORMATS)}; got {fmt!r}", param=where)
-            raw = decode_base64(body["data"], param=where)
-            if fmt == "pcm16":   # headerless 16-bit mono at 24 kHz (the Realtime API's convention)
-                samples = decode_pcm16(raw, input_rate=24000, max_seconds=self.limits.max_audio_seconds,
-                                       param=where).samples
-            else:
-                samples = decode_audio(raw, max_seconds=self.limits.max_audio_seconds, param=where).samples
-        elif isinstance(part.get("audio"), np.ndarray):
-            samples = np.asarray(part["audio"], dtype=np.float32)
-            if samples.ndim != 1 or samples.size / 16000 > self.limits.max_audio_seconds:
-                raise InvalidRequestError(f"{where}: audio arrays must be 1-D float32 at 16 kHz, at most "
-                                          f"{self.limits.max_audio_seconds:g} s", param=where)
-        else:
-            key = "audio_url" if part["type"] == "audio_url" else "audio"
-            samples = decode_audio(self._bytes_of(part, key, where),
-                                   max_seconds=self.limits.max_audio_seconds, param=where).samples
+        samples = audio_part_samples(part, where, self.limits)
         feats = self.log_mel([samples], param=where)
         return (MediaInput("audio", feats.features[0]), audio_item(feats.num_frames[0]))
 
@@ -204,3 +168,51 @@ class OmniProcessor:
         item = VideoItem(patches.grid_thw, patches.second_per_grid, audio=audio)
         return (MediaInput("video", patches.pixel_values, patches.grid_thw, video_audio=audio_feats), item)
 
+
+def part_bytes(part: dict, key: str, where: str, limits: MediaLimits) -> bytes:
+    """A media part's encoded bytes: inline bytes or a data: URL (URLs are resolved, if the
+    server allows them, before the engine sees the messages)."""
+    value = part.get(key)
+    if isinstance(value, dict) and key.endswith("_url"):
+        value = value.get("url")
+    if isinstance(value, str):
+        if not value.startswith("data:"):
+            raise InvalidRequestError(f"{where}: media URLs are not fetched; send the media "
+                                      f"inline as a data: URL (base64)", param=where)
+        value = parse_data_url(value, param=where, max_bytes=limits.max_media_bytes).data
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidRequestError(f"{where}: {key} must be bytes or a data: URL", param=where)
+    if len(value) > limits.max_media_bytes:
+        raise InvalidRequestError(f"{where}: media of {len(value)} bytes is over the "
+                                  f"{limits.max_media_bytes}-byte limit", param=where)
+    return bytes(value)
+
+
+def audio_part_samples(part: dict, where: str, limits: MediaLimits) -> np.ndarray:
+    """An audio content part (input_audio, audio bytes / array / data URL, audio_url) as float32
+    mono samples at 16 kHz, within the limits."""
+    if part["type"] == "input_audio":
+        body = part.get("input_audio")
+        if not isinstance(body, dict) or not isinstance(body.get("data"), str):
+            raise InvalidRequestError(f"{where}: input_audio needs {{'data': base64, 'format': ...}}",
+                                      param=where)
+        fmt = body.get("format", "wav")
+        if fmt not in INPUT_AUDIO_FORMATS:
+            raise InvalidRequestError(f"{where}: input_audio.format must be one of "
+                                      f"{', '.join(INPUT_AUDIO_FORMATS)}; got {fmt!r}", param=where)
+        raw = decode_base64(body["data"], param=where)
+        if fmt == "pcm16":   # headerless 16-bit mono at 24 kHz (the Realtime API's convention)
+            samples = decode_pcm16(raw, input_rate=24000, max_seconds=limits.max_audio_seconds,
+                                   param=where).samples
+        else:
+            samples = decode_audio(raw, max_seconds=limits.max_audio_seconds, param=where).samples
+    elif isinstance(part.get("audio"), np.ndarray):
+        samples = np.asarray(part["audio"], dtype=np.float32)
+        if samples.ndim != 1 or samples.size / 16000 > limits.max_audio_seconds:
+            raise InvalidRequestError(f"{where}: audio arrays must be 1-D float32 at 16 kHz, at most "
+                                      f"{limits.max_audio_seconds:g} s", param=where)
+    else:
+        key = "audio_url" if part["type"] == "audio_url" else "audio"
+        samples = decode_audio(part_bytes(part, key, where, limits),
+                               max_seconds=limits.max_audio_seconds, param=where).samples
+    return samples
