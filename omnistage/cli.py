@@ -91,10 +91,13 @@ def _margin(value: str) -> float | None:
 
 def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
     """The omni family's settings for the folder (Qwen3-Omni's or Qwen2.5-Omni's; text models
-    ignore them) and the deploy config."""
+    ignore them; the cascade keeps its defaults) and the deploy config."""
     from omnistage.layers.checkpoint import architecture_of, read_config
 
-    if architecture_of(read_config(model_dir)) == "Qwen3OmniMoeForConditionalGeneration":
+    architecture = architecture_of(read_config(model_dir))
+    if architecture == "OmnistageCascade":          # cascade:ASR+LLM+TTS: its defaults
+        return {"deploy_config": args.deploy_config}
+    if architecture == "Qwen3OmniMoeForConditionalGeneration":
         from omnistage.models.qwen3_omni.recipe import Qwen3OmniSettings
 
         from omnistage.models.qwen3_omni.code2wav_stage import Code2WavSettings
