@@ -24,11 +24,15 @@ class CascadeRequest(msgspec.Struct):
     voice: str = ""
     tools: list[dict] | None = None      # function definitions for the chat template
     transcribe_only: bool = False        # the answer is the transcript itself (no LLM)
+    prefill_only: bool = False           # a Realtime turn still being spoken (OutputOptions.prefill_only)
 
 
 class HearJob(msgspec.Struct):
     request_id: str
     audio: list[torch.Tensor]            # float32 mono at 16 kHz
+    # the last part is an utterance still arriving: hear what came so far and keep listening
+    # (its transcript comes back empty); a later job with the whole part finishes it
+    partial: bool = False
 
 
 class Transcripts(msgspec.Struct):

@@ -101,7 +101,7 @@ class CascadePipeline(GraphPipeline):
         if opts.transcribe and not audio:
             raise InvalidRequestError("a transcription needs audio", param="file")
         req = CascadeRequest(request_id, pp.messages, audio, params, speak, voice, pp.tools,
-                             transcribe_only=opts.transcribe)
+                             transcribe_only=opts.transcribe, prefill_only=opts.prefill_only)
         self.graph.add_request(request_id, req)
 
     def num_waiting_requests(self) -> int:

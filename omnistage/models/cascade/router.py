@@ -53,7 +53,7 @@ class CascadeRouter:
     def start(self, req: CascadeRequest) -> list[tuple[str, object]]:
         self.flows[req.request_id] = _Flow(req, audio_done=not req.speak)
         if req.audio:
-            return [("asr", HearJob(req.request_id, req.audio))]
+            return [("asr", HearJob(req.request_id, req.audio, partial=req.prefill_only))]
         return [("llm", self._llm_request(req, []))]
 
     def _llm_request(self, req: CascadeRequest, texts: list[str]) -> ARRequest:
@@ -73,6 +73,9 @@ class CascadeRouter:
         return self._from_tts(flow, out.payload)
 
     def _heard(self, flow: _Flow, t: Transcripts) -> list[tuple[str, object]]:
+        if flow.req.prefill_only:      # a turn still spoken: heard so far, nothing to answer yet
+            flow.text_done, flow.audio_done, flow.finish_reason = True, True, "stop"
+            return self._maybe_done(flow)
         if not flow.req.transcribe_only:
             return [("llm", self._llm_request(flow.req, t.texts))]
         # a transcription: the answer is what was heard

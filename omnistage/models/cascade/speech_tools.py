@@ -5,6 +5,7 @@ what to install, raised when the cascade is built (not at the first request)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import subprocess
@@ -29,9 +30,37 @@ class MissingSpeechTool(InvalidRequestError):
     """A cascade part whose package or program is not installed."""
 
 
+class Listener:
+    """One utterance heard as it arrives: `feed` the samples in order (decoded at once), then
+    `finish` for the words. `fed` and `matches` say which audio it has heard."""
+
+    def __init__(self, decoder):
+        self._decoder = decoder
+        self.restart()
+
+    def restart(self) -> None:
+        self._decoder.start_utt()
+        self.fed, self._hash = 0, hashlib.blake2b(digest_size=16)
+
+    def matches(self, samples: np.ndarray) -> bool:
+        """Whether `samples` begins with exactly what this listener has heard."""
+        return self.fed <= samples.size and self._hash.digest() == \
+            hashlib.blake2b(samples[:self.fed].tobytes(), digest_size=16).digest()
+
+    def feed(self, samples: np.ndarray) -> None:
+        self._decoder.process_raw(pcm16(samples), full_utt=False)
+        self._hash.update(samples.tobytes())
+        self.fed += samples.size
+
+    def finish(self) -> str:
+        self._decoder.end_utt()
+        hyp = self._decoder.hyp()
+        return hyp.hypstr.strip() if hyp is not None else ""
+
+
 class PocketsphinxASR:
     """Speech (float32 mono at 16 kHz) -> lower-case words, with pocketsphinx's US English
-    model (shipped inside its wheel). One decoder, used by one thread (the ASR stage's)."""
+    model (shipped inside its wheel). Used by one thread (the ASR stage's)."""
 
     name = "pocketsphinx"
 
@@ -41,16 +70,25 @@ class PocketsphinxASR:
         except ImportError as e:
             raise MissingSpeechTool("the cascade's ASR needs pocketsphinx: pip install pocketsphinx",
                                     param="model") from e
-        self._decoder = Decoder(samprate=ASR_RATE, loglevel="FATAL")
+        self._new_decoder = lambda: Decoder(samprate=ASR_RATE, loglevel="FATAL")
+        self._decoder = self._new_decoder()
 
     def recognize(self, samples: np.ndarray) -> str:
-        pcm = (np.clip(samples, -1.0, 1.0) * 32767).astype(np.int16)
+        """A whole utterance at once."""
         d = self._decoder
         d.start_utt()
-        d.process_raw(pcm.tobytes(), full_utt=True)
+        d.process_raw(pcm16(samples), full_utt=True)
         d.end_utt()
         hyp = d.hyp()
         return hyp.hypstr.strip() if hyp is not None else ""
+
+    def listener(self) -> Listener:
+        """A decoder of its own for one utterance heard as it arrives (~0.5 s to load)."""
+        return Listener(self._new_decoder())
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767).astype(np.int16).tobytes()
 
 
 @dataclass(frozen=True)

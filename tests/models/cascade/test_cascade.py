@@ -141,3 +141,33 @@ def _b64(data: bytes) -> str:
     import base64
 
     return base64.b64encode(data).decode()
+
+
+def test_a_turn_is_heard_as_it_arrives():
+    """Partial jobs (a Realtime turn's streamed input) feed a listener; the final job hears
+    only the rest. Live decoding normalises the signal as it goes (pocketsphinx's live CMN), so
+    its words may differ from a decode of the whole utterance at once: here "here is your
+    coffee" (live) against "there is your coffee" (whole)."""
+    import torch
+
+    from omnistage.models.cascade.asr_stage import ASRStage
+    from omnistage.models.cascade.messages import HearJob
+
+    said = FliteTTS().speak(QUESTION + " " + REPLY, "slt")
+    audio = resample(said.samples, said.sample_rate, 16000)
+    asr = PocketsphinxASR()
+    whole = asr.recognize(audio)
+    stage = ASRStage("asr", asr, max_listeners=2)
+    for end in (16000, 32000, 48000):                       # each second of the turn so far
+        stage.add(HearJob(f"warm{end}", [torch.from_numpy(audio[:end].copy())], partial=True))
+        [out] = stage.step()
+        assert out.payload.texts == [""] and stage.listening == 1
+    stage.add(HearJob("turn", [torch.from_numpy(audio.copy())]))
+    [out] = stage.step()
+    assert stage.listening == 0
+    assert wer(QUESTION + " " + REPLY, out.payload.texts[0]) <= 0.2, out.payload.texts
+    assert wer(QUESTION + " " + REPLY, whole) <= 0.2, whole
+    # another turn's prefix is not this one's: a new listener, and the finished one is free
+    stage.add(HearJob("other", [torch.from_numpy(audio[8000:24000].copy())], partial=True))
+    stage.step()
+    assert stage.listening == 1
