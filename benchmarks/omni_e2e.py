@@ -229,7 +229,7 @@ class StageTimes:
     step_s: dict[str, float]   # stage name (or GRAPH: the whole engine step) -> summed wall s
     calls: dict[str, int]      # step() calls that computed something
     parts_s: dict[str, float]  # token2wav's DiT and BigVGAN forwards (inside its step_s)
-    steps: list[tuple[str, float, float, int]]   # StageClock.steps
+    steps: list[tuple[str, float, float, int]] = field(default_factory=list)   # StageClock.steps
 
 
 class StageClock:

@@ -121,7 +121,8 @@ def test_qwen3_script_on_tiny_model(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.omni_e2e", "--model", "qwen3_omni", "--size", "tiny",
          "--concurrency", "1,8", "--requests", "2,3", "--hf-requests", "1", "--text-tokens", "5",
-         "--codec-tokens", str(QWEN3_FRAMES), "--threads", "1", "--out-json", str(tmp_path / "r.json")],
+         "--codec-tokens", str(QWEN3_FRAMES), "--threads", "1", "--out-json", str(tmp_path / "r.json"),
+         "--timeline", str(tmp_path / "timeline.jsonl")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -142,6 +143,13 @@ def test_qwen3_script_on_tiny_model(tmp_path):
     assert "[check] 1 request(s) on both sides: thinker tokens equal transformers': True; talker " \
            "frames (16 codebooks) equal: True" in done.stdout
     assert "[target] realtime_worst_gap_s" in done.stdout and "[target] ttfa_c1_s" in done.stdout
+    # --timeline: every stage step of both levels, then each request's first and last audio
+    lines = [json.loads(x) for x in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "stage" in x]
+    assert {x["level"] for x in steps} == {1, 8} and {"thinker", "talker", "code2wav"} <= {x["stage"] for x in steps}
+    assert all(0 <= x["start"] <= x["end"] for x in steps)
+    requests = [x for x in lines if "request" in x]
+    assert len(requests) == 5 and all(0 < x["ttfa"] <= x["last_audio"] == x["chunks"][-1][0] for x in requests)
 
 
 def _check_qwen3_levels(report: dict) -> None:
