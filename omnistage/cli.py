@@ -8,6 +8,7 @@ functions; heavy imports stay inside `run` so `omnistage --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -377,6 +378,33 @@ def _serve_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model to serve for the demo (folder, tiny:ARCH or cascade:ASR+LLM+TTS); "
+                             "not needed with --api-base")
+    parser.add_argument("--api-base", default=None,
+                        help="an omnistage server's URL (e.g. http://127.0.0.1:8000/v1); default: "
+                             "start `omnistage serve MODEL` on a free loopback port for the demo")
+    parser.add_argument("--api-key", default=None,
+                        help="the server's API key (default: $OMNISTAGE_API_KEY; a started server "
+                             "gets a fresh random key)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the page listens on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7860, help="port of the page (default: 7860)")
+    parser.add_argument("--start-timeout", type=float, default=300.0,
+                        help="seconds to wait for the started server to be healthy (default: 300)")
+
+
+def _demo_run(args: argparse.Namespace) -> int:
+    from omnistage.demo import run_demo
+
+    if args.api_base is None and args.model is None:
+        from omnistage.errors import InvalidRequestError
+
+        raise InvalidRequestError("give a MODEL to serve, or --api-base of a running server", param="model")
+    return run_demo(args.model, args.api_base, args.api_key or os.environ.get("OMNISTAGE_API_KEY"),
+                    args.host, args.port, args.start_timeout)
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand(
         help="serve a model over the OpenAI API (chat completions with audio, completions, "
@@ -388,6 +416,12 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="generate text for one prompt and print it",
         add_arguments=_generate_arguments,
         run=_generate_run,
+    ),
+    "demo": Subcommand(
+        help="a web page (Gradio) in front of a server: text and voice chat, speech, "
+             "transcription, images; needs the demo extra",
+        add_arguments=_demo_arguments,
+        run=_demo_run,
     ),
     "tiny": Subcommand(
         help="build a tiny random HF-format checkpoint (weights, config, tokenizer) offline",

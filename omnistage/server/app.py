@@ -192,8 +192,15 @@ def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
 
     @app.get("/v1/models")
     async def models():
+        # `omnistage`: what the model serves, for clients that adapt (the demo picks its tabs
+        # by it); OpenAI's clients ignore fields they do not know.
+        can = engine.abilities
+        serves = {"generates": can.generates, "audio_output": can.audio_output,
+                  "audio_input": can.audio_input, "voices": list(can.speakers),
+                  "sample_rate": can.sample_rate}
         return {"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "omnistage"}]}
+            {"id": model_name, "object": "model", "created": created, "owned_by": "omnistage",
+             "omnistage": serves}]}
 
 
 def _add_text_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, model_name: str,

@@ -1,0 +1,237 @@
+"""`omnistage demo`: a Gradio page in front of an omnistage server, through its public API
+only (the openai SDK and /v1/models), so what it shows is what any client gets.
+
+The tabs follow what the model serves (GET /v1/models, its `omnistage` card): text chat
+(streamed); voice chat (microphone or file in, the answer's text and speech streamed back over
+chat completions, a voice picker); speech (/v1/audio/speech); transcription; image generation
+(/v1/images/generations). A refusal from the server shows as its message, not a trace.
+
+Needs the `demo` extra (`pip install -e '.[demo]'`: gradio and the openai SDK).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import wave
+from dataclasses import dataclass
+
+import numpy as np
+
+CHAT_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Served:
+    """What GET /v1/models says of the served model."""
+
+    model: str
+    generates: str = "text"
+    audio_output: bool = False
+    audio_input: bool = False
+    voices: tuple[str, ...] = ()
+    sample_rate: int = 24000
+
+
+def served_model(client) -> Served:
+    card = client.models.list().data[0]
+    extra = (card.model_extra or {}).get("omnistage") or {}
+    return Served(card.id, extra.get("generates", "text"), bool(extra.get("audio_output")),
+                  bool(extra.get("audio_input")), tuple(extra.get("voices") or ()),
+                  extra.get("sample_rate") or 24000)
+
+
+def _refusal(e: Exception) -> str:
+    """The server's own message for an API error (a 4xx names the field), else the error."""
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and body.get("message"):
+        return f"The server refused: {body['message']}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _wav_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+class DemoActions:
+    """The tabs' actions: plain functions of the client, testable without a browser."""
+
+    def __init__(self, client, served: Served):
+        self.client, self.served = client, served
+
+    def chat(self, message: str, history: list[dict]):
+        """Stream the answer into the chat history (OpenAI-style message dicts)."""
+        history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.served.model, messages=history[:-1], max_tokens=CHAT_MAX_TOKENS,
+                stream=True, modalities=["text"])
+            for chunk in stream:
+                for choice in chunk.choices:
+                    history[-1]["content"] += choice.delta.content or ""
+                    yield history, ""
+        except Exception as e:      # the page shows the refusal, whatever the SDK raised
+            history[-1]["content"] = _refusal(e)
+        yield history, ""
+
+    def voice_chat(self, audio_path: str | None, voice: str | None):
+        """Spoken question in; the answer's transcript and speech streamed back (24 kHz)."""
+        if not audio_path:
+            yield "Record or upload a question first.", None
+            return
+        content = [{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(_wav_bytes(audio_path)).decode(), "format": "wav"}}]
+        text, pcm = "", b""
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.served.model, messages=[{"role": "user", "content": content}],
+                max_tokens=CHAT_MAX_TOKENS, stream=True, modalities=["text", "audio"],
+                audio={"voice": voice or self.served.voices[0], "format": "pcm16"})
+            for chunk in stream:
+                for choice in chunk.choices:
+                    audio = choice.delta.audio      # the SDK's ChoiceDeltaAudio: transcript and/or data
+                    # the text comes as content, as the audio's transcript, or both: once
+                    text += choice.delta.content or (audio.transcript if audio is not None else None) or ""
+                    if audio is not None and audio.data:
+                        pcm += base64.b64decode(audio.data)
+                yield text, (self.served.sample_rate, _pcm(pcm)) if pcm else None
+        except Exception as e:
+            yield _refusal(e), None
+
+    def speech(self, text: str, voice: str | None):
+        try:
+            data = self.client.audio.speech.create(model=self.served.model, input=text,
+                                                   voice=voice or self.served.voices[0],
+                                                   response_format="wav").read()
+        except Exception as e:
+            return None, _refusal(e)
+        with wave.open(io.BytesIO(data)) as w:
+            return (w.getframerate(), _pcm(w.readframes(w.getnframes()))), ""
+
+    def transcribe(self, audio_path: str | None) -> str:
+        if not audio_path:
+            return "Record or upload audio first."
+        try:
+            return self.client.audio.transcriptions.create(
+                model=self.served.model, file=("audio.wav", _wav_bytes(audio_path))).text
+        except Exception as e:
+            return _refusal(e)
+
+    def image(self, prompt: str, size: str, steps: float):
+        try:
+            resp = self.client.images.generate(model=self.served.model, prompt=prompt, size=size,
+                                               response_format="b64_json",
+                                               extra_body={"num_inference_steps": int(steps)})
+        except Exception as e:
+            return None, _refusal(e)
+        from PIL import Image
+
+        return Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))), ""
+
+
+def build_demo(client):
+    """The Gradio Blocks for the server behind `client` (an openai.OpenAI)."""
+    import gradio as gr
+
+    served = served_model(client)
+    act = DemoActions(client, served)
+    voices = list(served.voices)
+    with gr.Blocks(title=f"omnistage: {served.model}") as demo:
+        gr.Markdown(f"# omnistage · `{served.model}`")
+        if served.generates == "text":
+            with gr.Tab("Text chat"):
+                chatbot = gr.Chatbot(elem_id="chat-log", height=360)
+                box = gr.Textbox(label="Message", elem_id="chat-input")
+                send = gr.Button("Send", elem_id="chat-send", variant="primary")
+                send.click(act.chat, [box, chatbot], [chatbot, box])
+                box.submit(act.chat, [box, chatbot], [chatbot, box])
+        if served.audio_input and served.audio_output:
+            with gr.Tab("Voice chat"):
+                mic = gr.Audio(sources=["microphone", "upload"], type="filepath", label="Your question",
+                               elem_id="voice-in")
+                voice = gr.Dropdown(voices, value=voices[0] if voices else None, label="Voice", elem_id="voice-pick")
+                ask = gr.Button("Ask", elem_id="voice-send", variant="primary")
+                said = gr.Textbox(label="Answer", elem_id="voice-text")
+                heard = gr.Audio(label="Spoken answer", elem_id="voice-out", autoplay=False)
+                ask.click(act.voice_chat, [mic, voice], [said, heard])
+        if served.audio_output:
+            with gr.Tab("Speech"):
+                text = gr.Textbox(label="Text", elem_id="speech-input")
+                voice2 = gr.Dropdown(voices, value=voices[0] if voices else None, label="Voice")
+                go = gr.Button("Speak", elem_id="speech-send", variant="primary")
+                out, note = gr.Audio(label="Speech", elem_id="speech-out"), gr.Markdown(elem_id="speech-note")
+                go.click(act.speech, [text, voice2], [out, note])
+        if served.audio_input:
+            with gr.Tab("Transcription"):
+                rec = gr.Audio(sources=["microphone", "upload"], type="filepath", label="Audio", elem_id="asr-in")
+                go2 = gr.Button("Transcribe", elem_id="asr-send", variant="primary")
+                words = gr.Textbox(label="Transcript", elem_id="asr-out")
+                go2.click(act.transcribe, [rec], [words])
+        if served.generates == "image":
+            with gr.Tab("Image"):
+                prompt = gr.Textbox(label="Prompt", elem_id="image-prompt")
+                size = gr.Dropdown(["256x256", "512x512", "1024x1024"], value="256x256", label="Size")
+                steps = gr.Slider(1, 50, value=4, step=1, label="Steps")
+                make = gr.Button("Generate", elem_id="image-send", variant="primary")
+                picture, note2 = gr.Image(label="Image", elem_id="image-out"), gr.Markdown(elem_id="image-note")
+                make.click(act.image, [prompt, size, steps], [picture, note2])
+    return demo
+
+
+def run_demo(model: str | None, api_base: str | None, api_key: str | None, host: str, port: int,
+             start_timeout_s: float) -> int:
+    """Serve the page until interrupted; without `api_base`, start `omnistage serve MODEL` for
+    it on a free loopback port (stopped with the page)."""
+    import openai
+
+    server = None
+    if api_base is None:
+        api_key = api_key or secrets.token_urlsafe(24)
+        server, api_base = start_server(model, api_key, start_timeout_s)
+    try:
+        client = openai.OpenAI(base_url=api_base, api_key=api_key or "none", max_retries=0, timeout=600)
+        build_demo(client).launch(server_name=host, server_port=port)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return 0
+
+
+def start_server(model: str, api_key: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """`omnistage serve MODEL` on a free loopback port; (the process, its /v1 URL) once /health
+    answers. A process start has no event to wait on: /health is asked every 0.2 s, bounded."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMNISTAGE_API_KEY": api_key}
+    # the key goes by the environment (on the command line it would show in `ps`)
+    proc = subprocess.Popen([sys.executable, "-m", "omnistage.cli", "serve", model, "--port", str(port)], env=env)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"omnistage serve {model} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, f"{base}/v1"
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise RuntimeError(f"omnistage serve {model} was not healthy within {timeout_s:g} s")
