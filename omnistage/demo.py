@@ -4,7 +4,8 @@ only (the openai SDK and /v1/models), so what it shows is what any client gets.
 The tabs follow what the model serves (GET /v1/models, its `omnistage` card): text chat
 (streamed); voice chat (microphone or file in, the answer's text and speech streamed back over
 chat completions, a voice picker); speech (/v1/audio/speech); transcription; image generation
-(/v1/images/generations). A refusal from the server shows as its message, not a trace.
+(/v1/images/generations); video jobs (POST /v1/videos, progress as it is polled, then the
+MP4). A refusal from the server shows as its message, not a trace.
 
 Needs the `demo` extra (`pip install -e '.[demo]'`: gradio and the openai SDK).
 """
@@ -15,9 +16,11 @@ import base64
 import io
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import wave
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 CHAT_MAX_TOKENS = 256
+VIDEO_POLL_S = 0.5          # the videos API is polled (OpenAI's shape): how often the tab asks
+VIDEO_TIMEOUT_S = 3600
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,32 @@ class DemoActions:
         return Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))), ""
 
 
+class VideoActions:
+    """The video tab: create a job, show its progress as it is polled, then the MP4."""
+
+    def __init__(self, client, served: Served, folder: str):
+        self.client, self.served, self.folder = client, served, folder
+
+    def make(self, prompt: str, size: str, seconds: str, steps: float):
+        try:
+            job = self.client.videos.create(model=self.served.model, prompt=prompt, size=size,
+                                            seconds=seconds, extra_body={"num_inference_steps": int(steps)})
+            deadline = time.monotonic() + VIDEO_TIMEOUT_S
+            while job.status not in ("completed", "failed") and time.monotonic() < deadline:
+                yield f"{job.status}: {job.progress or 0}%", None
+                time.sleep(VIDEO_POLL_S)
+                job = self.client.videos.retrieve(job.id)
+            if job.status != "completed":
+                yield f"The job ended {job.status}: {getattr(job, 'error', None) or 'no video'}", None
+                return
+            path = os.path.join(self.folder, f"{job.id}.mp4")
+            with open(path, "wb") as f:
+                f.write(self.client.videos.download_content(job.id).content)
+            yield "completed: 100%", path
+        except Exception as e:
+            yield _refusal(e), None
+
+
 def build_demo(client):
     """The Gradio Blocks for the server behind `client` (an openai.OpenAI)."""
     import gradio as gr
@@ -164,7 +195,9 @@ def build_demo(client):
                 ask = gr.Button("Ask", elem_id="voice-send", variant="primary")
                 said = gr.Textbox(label="Answer", elem_id="voice-text")
                 heard = gr.Audio(label="Spoken answer", elem_id="voice-out", autoplay=False)
-                ask.click(act.voice_chat, [mic, voice], [said, heard])
+                answering = ask.click(act.voice_chat, [mic, voice], [said, heard])
+                # barge-in: stopping closes the answer's stream, and the server aborts it
+                gr.Button("Stop answering", elem_id="voice-stop").click(None, cancels=[answering])
         if served.audio_output:
             with gr.Tab("Speech"):
                 text = gr.Textbox(label="Text", elem_id="speech-input")
@@ -181,11 +214,21 @@ def build_demo(client):
         if served.generates == "image":
             with gr.Tab("Image"):
                 prompt = gr.Textbox(label="Prompt", elem_id="image-prompt")
-                size = gr.Dropdown(["256x256", "512x512", "1024x1024"], value="256x256", label="Size")
+                size = gr.Textbox(value="512x512", label="Size (WIDTHxHEIGHT)", elem_id="image-size")
                 steps = gr.Slider(1, 50, value=4, step=1, label="Steps")
                 make = gr.Button("Generate", elem_id="image-send", variant="primary")
                 picture, note2 = gr.Image(label="Image", elem_id="image-out"), gr.Markdown(elem_id="image-note")
                 make.click(act.image, [prompt, size, steps], [picture, note2])
+        if served.generates == "video":
+            videos = VideoActions(client, served, tempfile.mkdtemp(prefix="omnistage-demo-"))
+            with gr.Tab("Video"):
+                vprompt = gr.Textbox(label="Prompt", elem_id="video-prompt")
+                vsize = gr.Textbox(value="480x272", label="Size (WIDTHxHEIGHT)", elem_id="video-size")
+                vseconds = gr.Textbox(value="1", label="Seconds", elem_id="video-seconds")
+                vsteps = gr.Slider(1, 50, value=4, step=1, label="Steps")
+                vgo = gr.Button("Generate", elem_id="video-send", variant="primary")
+                vstatus, vout = gr.Markdown(elem_id="video-status"), gr.Video(label="Video", elem_id="video-out")
+                vgo.click(videos.make, [vprompt, vsize, vseconds, vsteps], [vstatus, vout])
     return demo
 
 
@@ -195,6 +238,8 @@ def run_demo(model: str | None, api_base: str | None, api_key: str | None, host:
     it on a free loopback port (stopped with the page)."""
     import openai
 
+    # SIGTERM ends the page like Ctrl-C, so the server started for it is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server = None
     if api_base is None:
         api_key = api_key or secrets.token_urlsafe(24)

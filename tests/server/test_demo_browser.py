@@ -164,3 +164,80 @@ def test_speech_tab(page, browser, tmp_path):
     browser.find_element(By.ID, "speech-send").click()
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#speech-out audio")))
     _shot(browser, tmp_path, "speech")
+
+
+@pytest.fixture(scope="module")
+def image_page(start_server, api_key):
+    from omnistage.demo import build_demo
+    from omnistage.entrypoints.model_source import tiny_checkpoint
+
+    with start_server(str(tiny_checkpoint("qwen_image")), "--max-diffusion-steps", "4") as running:
+        client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
+        demo = build_demo(client)
+        port = free_port()
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        try:
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            demo.close()
+
+
+def test_image_generation_in_the_browser(image_page, browser, tmp_path):
+    """A tiny image model's page has only the image tab; a generated image is rendered, and a
+    size the server refuses shows the server's message."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(image_page)
+    wait = WebDriverWait(browser, WAIT_S)
+    prompt = wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "#image-prompt textarea")))
+    assert [b.text.strip() for b in browser.find_elements(By.CSS_SELECTOR, "button[role='tab']")] == ["Image"]
+    prompt.send_keys("a red cube")
+    size = browser.find_element(By.CSS_SELECTOR, "#image-size textarea")
+    size.clear()
+    size.send_keys("64x64")
+    browser.find_element(By.ID, "image-send").click()
+    img = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#image-out img")))
+    wait.until(lambda d: d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) == 64)
+    _shot(browser, tmp_path, "image")
+    size.clear()
+    size.send_keys("64x63")
+    browser.find_element(By.ID, "image-send").click()
+    note = wait.until(lambda d: d.find_element(By.ID, "image-note").text.strip())
+    assert note.startswith("The server refused:") and "size" in note
+
+
+@pytest.fixture(scope="module")
+def video_page(start_server, api_key):
+    from omnistage.demo import build_demo
+    from omnistage.entrypoints.model_source import tiny_checkpoint
+
+    with start_server(str(tiny_checkpoint("wan")), "--max-video-frames", "17", "--max-diffusion-steps", "4") as running:
+        client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
+        demo = build_demo(client)
+        port = free_port()
+        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        try:
+            yield f"http://127.0.0.1:{port}/"
+        finally:
+            demo.close()
+
+
+def test_video_job_in_the_browser(video_page, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(video_page)
+    wait = WebDriverWait(browser, WAIT_S)
+    prompt = wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "#video-prompt textarea")))
+    prompt.send_keys("a wave")
+    for where, value in (("#video-size textarea", "48x32"), ("#video-seconds textarea", "1")):
+        box = browser.find_element(By.CSS_SELECTOR, where)
+        box.clear()
+        box.send_keys(value)
+    browser.find_element(By.ID, "video-send").click()
+    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#video-out video")))
+    assert "completed: 100%" in browser.find_element(By.ID, "video-status").text
+    _shot(browser, tmp_path, "video")
