@@ -79,13 +79,14 @@ class DemoActions:
         """Stream the answer into the chat history (OpenAI-style message dicts)."""
         history = [*history, {"role": "user", "content": message}, {"role": "assistant", "content": ""}]
         try:
-            stream = self.client.chat.completions.create(
-                model=self.served.model, messages=history[:-1], max_tokens=CHAT_MAX_TOKENS,
-                stream=True, modalities=["text"])
-            for chunk in stream:
-                for choice in chunk.choices:
-                    history[-1]["content"] += choice.delta.content or ""
-                    yield history, ""
+            # `with`: leaving early (a cancelled event) closes the stream: the server aborts
+            with self.client.chat.completions.create(
+                    model=self.served.model, messages=history[:-1], max_tokens=CHAT_MAX_TOKENS,
+                    stream=True, modalities=["text"]) as stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        history[-1]["content"] += choice.delta.content or ""
+                        yield history, ""
         except Exception as e:      # the page shows the refusal, whatever the SDK raised
             history[-1]["content"] = _refusal(e)
         yield history, ""
@@ -99,18 +100,18 @@ class DemoActions:
             "data": base64.b64encode(_wav_bytes(audio_path)).decode(), "format": "wav"}}]
         text, pcm = "", b""
         try:
-            stream = self.client.chat.completions.create(
-                model=self.served.model, messages=[{"role": "user", "content": content}],
-                max_tokens=CHAT_MAX_TOKENS, stream=True, modalities=["text", "audio"],
-                audio={"voice": voice or self.served.voices[0], "format": "pcm16"})
-            for chunk in stream:
-                for choice in chunk.choices:
-                    audio = choice.delta.audio      # the SDK's ChoiceDeltaAudio: transcript and/or data
-                    # the text comes as content, as the audio's transcript, or both: once
-                    text += choice.delta.content or (audio.transcript if audio is not None else None) or ""
-                    if audio is not None and audio.data:
-                        pcm += base64.b64decode(audio.data)
-                yield text, (self.served.sample_rate, _pcm(pcm)) if pcm else None
+            with self.client.chat.completions.create(      # closed when stopped: the server aborts
+                    model=self.served.model, messages=[{"role": "user", "content": content}],
+                    max_tokens=CHAT_MAX_TOKENS, stream=True, modalities=["text", "audio"],
+                    audio={"voice": voice or self.served.voices[0], "format": "pcm16"}) as stream:
+                for chunk in stream:
+                    for choice in chunk.choices:
+                        audio = choice.delta.audio      # the SDK's ChoiceDeltaAudio: transcript and/or data
+                        # the text comes as content, as the audio's transcript, or both: once
+                        text += choice.delta.content or (audio.transcript if audio is not None else None) or ""
+                        if audio is not None and audio.data:
+                            pcm += base64.b64decode(audio.data)
+                    yield text, (self.served.sample_rate, _pcm(pcm)) if pcm else None
         except Exception as e:
             yield _refusal(e), None
 
