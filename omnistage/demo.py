@@ -4,7 +4,8 @@ only (the openai SDK and /v1/models), so what it shows is what any client gets.
 The tabs follow what the model serves (GET /v1/models, its `omnistage` card): text chat
 (streamed); voice chat (microphone or file in, the answer's text and speech streamed back over
 chat completions, a voice picker); speech (/v1/audio/speech); transcription; image generation
-(/v1/images/generations); video jobs (POST /v1/videos, progress as it is polled, then the
+(/v1/images/generations, or /v1/images/edits with an input image; previews while denoising);
+video jobs (POST /v1/videos, progress as it is polled, then the
 MP4). A refusal from the server shows as its message, not a trace.
 
 Needs the `demo` extra (`pip install -e '.[demo]'`: gradio and the openai SDK).
@@ -134,16 +135,31 @@ class DemoActions:
         except Exception as e:
             return _refusal(e)
 
-    def image(self, prompt: str, size: str, steps: float):
-        try:
-            resp = self.client.images.generate(model=self.served.model, prompt=prompt, size=size,
-                                               response_format="b64_json",
-                                               extra_body={"num_inference_steps": int(steps)})
-        except Exception as e:
-            return None, _refusal(e)
+    def image(self, prompt: str, size: str, steps: float, source: str | None = None):
+        """Generate (or, with a `source` image file, edit): the denoising's previews as they
+        come (`partial_images`, the predicted final image part-way through), then the image."""
         from PIL import Image
 
-        return Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))), ""
+        args = dict(model=self.served.model, prompt=prompt, size=size, stream=True, partial_images=2,
+                    extra_body={"num_inference_steps": int(steps)})
+        try:
+            if source:
+                with open(source, "rb") as f:
+                    events = self.client.images.edit(image=f, **args)
+                    yield from self._images(events, Image)
+            else:
+                yield from self._images(self.client.images.generate(**args), Image)
+        except Exception as e:
+            yield None, _refusal(e)
+
+    @staticmethod
+    def _images(events, image_module):
+        for event in events:
+            picture = image_module.open(io.BytesIO(base64.b64decode(event.b64_json)))
+            if event.type.endswith("partial_image"):
+                yield picture, f"denoising: preview {event.partial_image_index + 1}"
+            else:
+                yield picture, "done"
 
 
 class VideoActions:
@@ -213,23 +229,9 @@ def build_demo(client):
                 words = gr.Textbox(label="Transcript", elem_id="asr-out")
                 go2.click(act.transcribe, [rec], [words])
         if served.generates == "image":
-            with gr.Tab("Image"):
-                prompt = gr.Textbox(label="Prompt", elem_id="image-prompt")
-                size = gr.Textbox(value="512x512", label="Size (WIDTHxHEIGHT)", elem_id="image-size")
-                steps = gr.Slider(1, 50, value=4, step=1, label="Steps")
-                make = gr.Button("Generate", elem_id="image-send", variant="primary")
-                picture, note2 = gr.Image(label="Image", elem_id="image-out"), gr.Markdown(elem_id="image-note")
-                make.click(act.image, [prompt, size, steps], [picture, note2])
+            _image_tab(gr, act)
         if served.generates == "video":
-            videos = VideoActions(client, served, tempfile.mkdtemp(prefix="omnistage-demo-"))
-            with gr.Tab("Video"):
-                vprompt = gr.Textbox(label="Prompt", elem_id="video-prompt")
-                vsize = gr.Textbox(value="480x272", label="Size (WIDTHxHEIGHT)", elem_id="video-size")
-                vseconds = gr.Textbox(value="1", label="Seconds", elem_id="video-seconds")
-                vsteps = gr.Slider(1, 50, value=4, step=1, label="Steps")
-                vgo = gr.Button("Generate", elem_id="video-send", variant="primary")
-                vstatus, vout = gr.Markdown(elem_id="video-status"), gr.Video(label="Video", elem_id="video-out")
-                vgo.click(videos.make, [vprompt, vsize, vseconds, vsteps], [vstatus, vout])
+            _video_tab(gr, VideoActions(client, served, tempfile.mkdtemp(prefix="omnistage-demo-")))
     return demo
 
 
@@ -281,3 +283,26 @@ def start_server(model: str, api_key: str, timeout_s: float) -> tuple[subprocess
         time.sleep(0.2)
     proc.terminate()
     raise RuntimeError(f"omnistage serve {model} was not healthy within {timeout_s:g} s")
+
+
+def _image_tab(gr, act: DemoActions) -> None:
+    with gr.Tab("Image"):
+        prompt = gr.Textbox(label="Prompt", elem_id="image-prompt")
+        size = gr.Textbox(value="512x512", label="Size (WIDTHxHEIGHT)", elem_id="image-size")
+        steps = gr.Slider(1, 50, value=4, step=1, label="Steps")
+        source = gr.Image(label="Image to edit (optional: empty generates)", type="filepath",
+                          elem_id="image-source")
+        make = gr.Button("Generate", elem_id="image-send", variant="primary")
+        picture, note2 = gr.Image(label="Image", elem_id="image-out"), gr.Markdown(elem_id="image-note")
+        make.click(act.image, [prompt, size, steps, source], [picture, note2])
+
+
+def _video_tab(gr, videos: VideoActions) -> None:
+    with gr.Tab("Video"):
+        vprompt = gr.Textbox(label="Prompt", elem_id="video-prompt")
+        vsize = gr.Textbox(value="480x272", label="Size (WIDTHxHEIGHT)", elem_id="video-size")
+        vseconds = gr.Textbox(value="1", label="Seconds", elem_id="video-seconds")
+        vsteps = gr.Slider(1, 50, value=4, step=1, label="Steps")
+        vgo = gr.Button("Generate", elem_id="video-send", variant="primary")
+        vstatus, vout = gr.Markdown(elem_id="video-status"), gr.Video(label="Video", elem_id="video-out")
+        vgo.click(videos.make, [vprompt, vsize, vseconds, vsteps], [vstatus, vout])

@@ -177,9 +177,29 @@ def image_page(start_server, api_key):
         port = free_port()
         demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
         try:
-            yield f"http://127.0.0.1:{port}/"
+            yield f"http://127.0.0.1:{port}/", client
         finally:
             demo.close()
+
+
+def test_image_previews_then_the_image_and_edits(image_page, start_server, api_key, tmp_path):
+    """The image tab's action: the denoising's previews, then the image ("done"); with an input
+    image on an edit model, the same through /v1/images/edits."""
+    from PIL import Image
+
+    from omnistage.demo import DemoActions, served_model
+    from omnistage.entrypoints.model_source import tiny_checkpoint
+
+    _, client = image_page
+    steps = list(DemoActions(client, served_model(client)).image("a red cube", "64x64", 4))
+    assert [note for _, note in steps] == ["denoising: preview 1", "denoising: preview 2", "done"]
+    assert all(picture.size == (64, 64) for picture, _ in steps)
+    source = tmp_path / "in.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(source)
+    with start_server(str(tiny_checkpoint("qwen_image_edit_plus")), "--max-diffusion-steps", "4") as running:
+        editor = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
+        edited = list(DemoActions(editor, served_model(editor)).image("make it blue", "64x64", 2, str(source)))
+    assert edited[-1][1] == "done" and edited[-1][0].size == (64, 64)
 
 
 def test_image_generation_in_the_browser(image_page, browser, tmp_path):
@@ -189,7 +209,7 @@ def test_image_generation_in_the_browser(image_page, browser, tmp_path):
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(image_page)
+    browser.get(image_page[0])
     wait = WebDriverWait(browser, WAIT_S)
     prompt = wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "#image-prompt textarea")))
     assert [b.text.strip() for b in browser.find_elements(By.CSS_SELECTOR, "button[role='tab']")] == ["Image"]
@@ -200,6 +220,7 @@ def test_image_generation_in_the_browser(image_page, browser, tmp_path):
     browser.find_element(By.ID, "image-send").click()
     img = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#image-out img")))
     wait.until(lambda d: d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) == 64)
+    wait.until(lambda d: d.find_element(By.ID, "image-note").text.strip() == "done")
     _shot(browser, tmp_path, "image")
     size.clear()
     size.send_keys("64x63")
