@@ -8,6 +8,7 @@ engine's 24 kHz. One sentence of one request per step, the request that waited l
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -16,9 +17,10 @@ import torch
 from omnistage.media.audio import resample
 from omnistage.models.cascade.messages import SpeakText
 from omnistage.models.qwen2_5_omni.messages import AudioChunk
-from omnistage.stage_messages import StageOutput
+from omnistage.stage_messages import StageFailure, StageOutput
 from omnistage.stages.base import Stage
 
+log = logging.getLogger(__name__)
 SAMPLE_RATE = 24000
 # a sentence end: terminal punctuation (closing quotes / brackets kept with it) and a space,
 # or a line break
@@ -67,7 +69,12 @@ class TTSStage(Stage):
         sentence, r.text = next_sentence(r.text, r.finished)
         samples = torch.zeros(0)
         if sentence.strip():
-            speech = self.tts.speak(sentence.strip(), r.voice)
+            try:
+                speech = self.tts.speak(sentence.strip(), r.voice)
+            except (RuntimeError, OSError) as e:     # the program failed: this request only
+                log.exception("tts: request %s failed", rid)
+                del self._replies[rid]
+                return [StageOutput(self.name, rid, StageFailure(rid, f"the TTS failed: {e}"), final=True)]
             samples = torch.from_numpy(resample(speech.samples, speech.sample_rate, SAMPLE_RATE))
         last = r.finished and not r.text
         if last:

@@ -171,3 +171,26 @@ def test_a_turn_is_heard_as_it_arrives():
     stage.add(HearJob("other", [torch.from_numpy(audio[8000:24000].copy())], partial=True))
     stage.step()
     assert stage.listening == 1
+
+
+def test_a_failing_tts_fails_its_request_only():
+    """A TTS program that fails on a sentence ends that request with an error; the stage goes
+    on serving the others."""
+    from omnistage.models.cascade.messages import SpeakText
+    from omnistage.models.cascade.tts_stage import TTSStage
+    from omnistage.stage_messages import StageFailure
+
+    class Picky(FliteTTS):
+        def speak(self, text, voice):
+            if "boom" in text:
+                raise RuntimeError("flite failed (1): cannot say boom")
+            return super().speak(text, voice)
+
+    stage = TTSStage("tts", Picky(), "slt")
+    stage.add(SpeakText("bad", "Say boom.", finished=True))
+    stage.add(SpeakText("good", "Say hello.", finished=True))
+    outs = stage.step() + stage.step()
+    by_id = {o.request_id: o for o in outs}
+    assert isinstance(by_id["bad"].payload, StageFailure) and "cannot say boom" in by_id["bad"].payload.message
+    assert by_id["good"].payload.samples.numel() > 0 and by_id["good"].final
+    assert stage.num_requests() == 0
