@@ -11,9 +11,11 @@ end-to-end model."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
 from omnistage.chat_messages import check_messages, check_text
 from omnistage.config import EngineConfig
@@ -31,13 +33,15 @@ log = logging.getLogger(__name__)
 AUDIO_PARTS = ("input_audio", "audio", "audio_url")
 
 
+@dataclass
 class CascadePrompt:
     """A prepared request: the chat (audio parts as references) and their samples."""
 
-    def __init__(self, messages: list[dict], audio: list[np.ndarray], tools: list | None, token_ids: list[int]):
-        self.messages, self.audio, self.tools = messages, audio, tools
-        self.text: str | None = None
-        self.token_ids = token_ids     # the chat without the transcripts (those come from the ASR)
+    messages: list[dict]
+    audio: list[np.ndarray]
+    tools: list | None
+    token_ids: list[int]               # the chat without the transcripts (those come from the ASR)
+    text: str | None = None
 
 
 class CascadePipeline(GraphPipeline):
@@ -73,9 +77,12 @@ class CascadePipeline(GraphPipeline):
                         parts.append(part)
                 m = {**m, "content": parts}
             refs.append(m)
-        ids = self.tokenizer.apply_chat_template(
-            [{**m, "content": m["content"] if isinstance(m.get("content"), str) else ""} for m in refs],
-            tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        try:    # rendered here so that a chat the template refuses is the client's 400
+            ids = self.tokenizer.apply_chat_template(
+                [{**m, "content": m["content"] if isinstance(m.get("content"), str) else ""} for m in refs],
+                tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise InvalidRequestError(f"the chat template refused these messages: {e}", param="messages") from e
         return CascadePrompt(refs, audio, tools, list(ids))
 
     def default_params(self) -> SamplingParams:

@@ -194,3 +194,12 @@ def test_a_failing_tts_fails_its_request_only():
     assert isinstance(by_id["bad"].payload, StageFailure) and "cannot say boom" in by_id["bad"].payload.message
     assert by_id["good"].payload.samples.numel() > 0 and by_id["good"].final
     assert stage.num_requests() == 0
+
+
+def test_a_chat_the_template_refuses_is_a_client_error(cascade):
+    """Tools that are not JSON schemas: transformers' template rendering refuses them; the
+    client gets a 400 naming messages, not a 500."""
+    with pytest.raises(InvalidRequestError, match="the chat template refused") as e:
+        cascade.generate({"messages": [{"role": "user", "content": "hi"}], "tools": [1]},
+                         SamplingParams(max_tokens=2), output=OutputOptions(modalities=["text"]))
+    assert e.value.param == "messages"
