@@ -15,6 +15,7 @@ by what it has heard (its samples' digest against the new audio's prefix); up to
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -22,9 +23,10 @@ import torch
 
 from omnistage.models.cascade.messages import HearJob, Transcripts
 from omnistage.models.cascade.speech_tools import Listener, PocketsphinxASR
-from omnistage.stage_messages import StageOutput
+from omnistage.stage_messages import StageFailure, StageOutput
 from omnistage.stages.base import Stage
 
+log = logging.getLogger(__name__)
 CACHE_ENTRIES = 64
 
 
@@ -44,7 +46,12 @@ class ASRStage(Stage):
             return []
         job = self._jobs.popleft()
         parts = [a.detach().to(torch.float32).contiguous().numpy() for a in job.audio]
-        texts = [self._hear(a, streaming=job.partial and i == len(parts) - 1) for i, a in enumerate(parts)]
+        try:
+            texts = [self._hear(a, streaming=job.partial and i == len(parts) - 1) for i, a in enumerate(parts)]
+        except Exception as e:      # whatever the decoder did: this request only, never the engine
+            log.exception("asr: request %s failed", job.request_id)
+            return [StageOutput(self.name, job.request_id,
+                                StageFailure(job.request_id, f"the ASR failed: {e}"), final=True)]
         return [StageOutput(self.name, job.request_id, Transcripts(job.request_id, texts))]
 
     def _hear(self, samples: np.ndarray, streaming: bool) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,12 @@ class _Reply:
     text: str = ""
     finished: bool = False
     done: bool = False
+
+
+def speakable(text: str) -> str:
+    """The text a TTS program is given: control characters dropped (a NUL cannot even be
+    passed as an argument; a model's reply may hold any character), spaces trimmed."""
+    return "".join(c for c in text if c in "\n\t" or unicodedata.category(c)[0] != "C").strip()
 
 
 def next_sentence(text: str, finished: bool) -> tuple[str, str] | None:
@@ -68,10 +75,11 @@ class TTSStage(Stage):
         r = self._replies[rid]
         sentence, r.text = next_sentence(r.text, r.finished)
         samples = torch.zeros(0)
-        if sentence.strip():
+        words = speakable(sentence)
+        if words:
             try:
-                speech = self.tts.speak(sentence.strip(), r.voice)
-            except (RuntimeError, OSError) as e:     # the program failed: this request only
+                speech = self.tts.speak(words, r.voice)
+            except Exception as e:     # whatever the program did: this request only, never the engine
                 log.exception("tts: request %s failed", rid)
                 del self._replies[rid]
                 return [StageOutput(self.name, rid, StageFailure(rid, f"the TTS failed: {e}"), final=True)]

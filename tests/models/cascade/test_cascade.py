@@ -203,3 +203,18 @@ def test_a_chat_the_template_refuses_is_a_client_error(cascade):
         cascade.generate({"messages": [{"role": "user", "content": "hi"}], "tools": [1]},
                          SamplingParams(max_tokens=2), output=OutputOptions(modalities=["text"]))
     assert e.value.param == "messages"
+
+
+def test_any_reply_text_is_spoken_or_fails_alone():
+    """A model's reply may hold control characters (a NUL cannot be passed to a program): they
+    are dropped before speaking; a reply of nothing speakable ends with no audio."""
+    from omnistage.models.cascade.messages import SpeakText
+    from omnistage.models.cascade.tts_stage import TTSStage, speakable
+
+    assert speakable("Hi\x00 there\x04.\n") == "Hi there."
+    stage = TTSStage("tts", FliteTTS(), "slt")
+    stage.add(SpeakText("nul", "Hello\x00 world.", finished=True))
+    stage.add(SpeakText("empty", "\x00\x07", finished=True))
+    outs = {o.request_id: o for o in stage.step() + stage.step()}
+    assert outs["nul"].payload.samples.numel() > 0 and outs["nul"].final
+    assert outs["empty"].payload.samples.numel() == 0 and outs["empty"].final
