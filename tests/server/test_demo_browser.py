@@ -7,6 +7,7 @@ OMNISTAGE_DEMO_SHOTS=DIR, there)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -23,19 +24,26 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
 WAIT_S = 120
 
 
-@pytest.fixture(scope="module")
-def page(tiny_qwen2, start_server, api_key):
+@contextlib.contextmanager
+def launched(base: str, api_key: str):
+    """The demo page for the server at `base`: (its URL, the page's openai client)."""
     from omnistage.demo import build_demo
 
-    with start_server(f"cascade:pocketsphinx+{tiny_qwen2}+flite") as running:
-        client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
-        demo = build_demo(client)
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        try:
-            yield f"http://127.0.0.1:{port}/"
-        finally:
-            demo.close()
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=120)
+    demo = build_demo(client)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/", client
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def page(tiny_qwen2, start_server, api_key):
+    with start_server(f"cascade:pocketsphinx+{tiny_qwen2}+flite") as running, \
+            launched(running.base, api_key) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +81,19 @@ def _shot(driver, folder, name: str) -> None:
         driver.save_screenshot(os.path.join(extra, f"{name}.png"))
 
 
-def _tab(driver, label: str) -> None:
+def _open_tab(driver, page: str, label: str):
+    """Load the page, open the tab named `label`; -> the test's bounded wait."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
 
+    driver.get(page)
+    wait = WebDriverWait(driver, WAIT_S)
+    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "button[role='tab']")))
     for button in driver.find_elements(By.CSS_SELECTOR, "button[role='tab']"):
         if button.text.strip() == label:
             button.click()
-            return
+            return wait
     raise AssertionError(f"no tab {label!r}")
 
 
@@ -122,12 +136,8 @@ RECORD_S = 3.0      # the question (~2 s of flite speech) and some of the silenc
 def test_voice_chat_from_the_microphone(page, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(page)
-    wait = WebDriverWait(browser, WAIT_S)
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "button[role='tab']")))
-    _tab(browser, "Voice chat")
+    wait = _open_tab(browser, page, "Voice chat")
     _record(browser, wait, "#voice-in")
     browser.find_element(By.ID, "voice-send").click()
     wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#voice-text textarea").get_attribute("value").strip())
@@ -137,13 +147,8 @@ def test_voice_chat_from_the_microphone(page, browser, tmp_path):
 
 def test_transcription_hears_the_microphone(page, browser, tmp_path):
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(page)
-    wait = WebDriverWait(browser, WAIT_S)
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "button[role='tab']")))
-    _tab(browser, "Transcription")
+    wait = _open_tab(browser, page, "Transcription")
     _record(browser, wait, "#asr-in")
     browser.find_element(By.ID, "asr-send").click()
     heard = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "#asr-out textarea").get_attribute("value").strip())
@@ -154,12 +159,8 @@ def test_transcription_hears_the_microphone(page, browser, tmp_path):
 def test_speech_tab(page, browser, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser.get(page)
-    wait = WebDriverWait(browser, WAIT_S)
-    wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "button[role='tab']")))
-    _tab(browser, "Speech")
+    wait = _open_tab(browser, page, "Speech")
     wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "#speech-input textarea"))).send_keys("Hello there.")
     browser.find_element(By.ID, "speech-send").click()
     wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#speech-out audio")))
@@ -168,18 +169,11 @@ def test_speech_tab(page, browser, tmp_path):
 
 @pytest.fixture(scope="module")
 def image_page(start_server, api_key):
-    from omnistage.demo import build_demo
     from omnistage.entrypoints.model_source import tiny_checkpoint
 
-    with start_server(str(tiny_checkpoint("qwen_image")), "--max-diffusion-steps", "4") as running:
-        client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
-        demo = build_demo(client)
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        try:
-            yield f"http://127.0.0.1:{port}/", client
-        finally:
-            demo.close()
+    with start_server(str(tiny_checkpoint("qwen_image")), "--max-diffusion-steps", "4") as running, \
+            launched(running.base, api_key) as page_and_client:
+        yield page_and_client
 
 
 def test_image_previews_then_the_image_and_edits(image_page, start_server, api_key, tmp_path):
@@ -233,18 +227,11 @@ def test_image_generation_in_the_browser(image_page, browser, tmp_path):
 
 @pytest.fixture(scope="module")
 def video_page(start_server, api_key):
-    from omnistage.demo import build_demo
     from omnistage.entrypoints.model_source import tiny_checkpoint
 
-    with start_server(str(tiny_checkpoint("wan")), "--max-video-frames", "17", "--max-diffusion-steps", "4") as running:
-        client = openai.OpenAI(base_url=f"{running.base}/v1", api_key=api_key, max_retries=0, timeout=120)
-        demo = build_demo(client)
-        port = free_port()
-        demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        try:
-            yield f"http://127.0.0.1:{port}/"
-        finally:
-            demo.close()
+    flags = ("--max-video-frames", "17", "--max-diffusion-steps", "4")
+    with start_server(str(tiny_checkpoint("wan")), *flags) as running, launched(running.base, api_key) as (url, _):
+        yield url
 
 
 def test_video_job_in_the_browser(video_page, browser, tmp_path):

@@ -43,11 +43,6 @@ class CascadeParts:
         return cls(cfg["asr"], cfg["llm"], cfg["tts"])
 
 
-def llm_config(config: EngineConfig) -> EngineConfig:
-    """The engine options for the text model: the cascade's, pointed at its folder."""
-    return replace(config, model=CascadeParts.of(config.model).llm, tokenizer=None)
-
-
 def stage_names(model_dir: str, settings: CascadeSettings) -> list[str]:
     return ["asr", "llm", "tts"]
 
@@ -58,7 +53,7 @@ def build_stage(name: str, config: EngineConfig, settings: CascadeSettings) -> S
     if name == "asr":
         return ASRStage(name, ASR_TOOLS[parts.asr]())
     if name == "llm":
-        text = llm_config(config)
+        text = replace(config, model=parts.llm, tokenizer=None)   # the cascade's options, its folder
         return ARStage(name, LLMEngine(text, *load_text_model(text)))
     if name == "tts":
         tts = TTS_TOOLS[parts.tts]()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from omnistage.graph import CLIENT, Edge
 from omnistage.models.cascade.messages import CascadeRequest, HearJob, SpeakText, Transcripts
-from omnistage.models.qwen2_5_omni.messages import AudioChunk
+from omnistage.models.qwen2_5_omni.router import audio_deltas, reply_done
 from omnistage.outputs import Delta
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.ar import ARRequest, ARStepOutput
@@ -70,7 +70,7 @@ class CascadeRouter:
             return self._heard(flow, out.payload)
         if out.stage == "llm":
             return self._from_llm(flow, out.payload)
-        return self._from_tts(flow, out.payload)
+        return audio_deltas(flow, flow.req.request_id, out.payload)
 
     def _heard(self, flow: _Flow, t: Transcripts) -> list[tuple[str, object]]:
         if flow.req.prefill_only:      # a turn still spoken: heard so far, nothing to answer yet
@@ -95,16 +95,5 @@ class CascadeRouter:
             out += self._maybe_done(flow)
         return out
 
-    def _from_tts(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
-        if a.samples.numel():
-            out.append((CLIENT, Delta(a.request_id, 0, "", [], audio=a.samples.numpy(), sample_rate=a.sample_rate)))
-        if a.finished:
-            flow.audio_done = True
-            out += self._maybe_done(flow)
-        return out
-
     def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        if not (flow.text_done and flow.audio_done):
-            return []
-        return [(CLIENT, Delta(flow.req.request_id, 0, "", [], finished=True, finish_reason=flow.finish_reason))]
+        return reply_done(flow, flow.req.request_id)

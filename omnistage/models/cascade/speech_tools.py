@@ -54,8 +54,7 @@ class Listener:
 
     def finish(self) -> str:
         self._decoder.end_utt()
-        hyp = self._decoder.hyp()
-        return hyp.hypstr.strip() if hyp is not None else ""
+        return heard_words(self._decoder)
 
 
 class PocketsphinxASR:
@@ -79,12 +78,17 @@ class PocketsphinxASR:
         d.start_utt()
         d.process_raw(pcm16(samples), full_utt=True)
         d.end_utt()
-        hyp = d.hyp()
-        return hyp.hypstr.strip() if hyp is not None else ""
+        return heard_words(d)
 
     def listener(self) -> Listener:
         """A decoder of its own for one utterance heard as it arrives (~0.5 s to load)."""
         return Listener(self._new_decoder())
+
+
+def heard_words(decoder) -> str:
+    """A pocketsphinx decoder's words for the utterance it ended ("" when it heard none)."""
+    hyp = decoder.hyp()
+    return hyp.hypstr.strip() if hyp is not None else ""
 
 
 def pcm16(samples: np.ndarray) -> bytes:

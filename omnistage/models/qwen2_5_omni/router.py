@@ -20,6 +20,7 @@ waiting for its first audio and keeps its own steps short (see VocoderStage).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -107,7 +108,7 @@ class OmniRouter:
             return self._from_thinker(flow, out.payload)
         if out.stage == "talker":
             return self._from_talker(flow, out.payload)
-        return self._from_token2wav(flow, out.payload)
+        return audio_deltas(flow, flow.req.request_id, out.payload)
 
     def _merged(self, flow: _Flow, enc: EncodedMedia) -> ARRequest:
         """Encoder rows go to the placeholder positions of their modality, in prompt order."""
@@ -184,22 +185,8 @@ class OmniRouter:
         return CodecChunk(flow.req.request_id, codes, finished, speaker=flow.req.speaker,
                           seed=flow.req.talker_params.seed)
 
-    def _from_token2wav(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
-        if a.samples.numel():
-            out.append((CLIENT, Delta(a.request_id, 0, "", [], audio=a.samples.numpy(),
-                                      sample_rate=a.sample_rate)))
-        if a.finished:
-            flow.audio_done = True
-            out += self._maybe_done(flow)
-        return out
-
     def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        if not (flow.text_done and flow.audio_done):
-            return []
-        return [(CLIENT, Delta(flow.req.request_id, 0, "", [], finished=True,
-                               finish_reason=flow.finish_reason))]
-
+        return reply_done(flow, flow.req.request_id)
 
 def place_media_rows(prompt_ids: list[int], groups: list[tuple[int, list[torch.Tensor]]]
                      ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
@@ -218,3 +205,31 @@ def place_media_rows(prompt_ids: list[int], groups: list[tuple[int, list[torch.T
         positions += where.tolist()
         wheres.append(where)
     return torch.cat(rows), positions, wheres
+
+
+class SpokenReply(Protocol):
+    """A request's flow as a speaking family's router keeps it: the reply is done when both
+    its text and its audio are."""
+
+    text_done: bool
+    audio_done: bool
+    finish_reason: str | None
+
+
+def audio_deltas(flow: SpokenReply, request_id: str, a: AudioChunk) -> list[tuple[str, object]]:
+    """A vocoder's chunk to the client; its last one ends the audio (and the reply, if the
+    text ended too)."""
+    out: list[tuple[str, object]] = []
+    if a.samples.numel():
+        out.append((CLIENT, Delta(a.request_id, 0, "", [], audio=a.samples.numpy(), sample_rate=a.sample_rate)))
+    if a.finished:
+        flow.audio_done = True
+        out += reply_done(flow, request_id)
+    return out
+
+
+def reply_done(flow: SpokenReply, request_id: str) -> list[tuple[str, object]]:
+    """The client's final delta once both text and audio are done; nothing before."""
+    if not (flow.text_done and flow.audio_done):
+        return []
+    return [(CLIENT, Delta(request_id, 0, "", [], finished=True, finish_reason=flow.finish_reason))]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.graph import CLIENT, Edge
-from omnistage.models.qwen2_5_omni.messages import AudioChunk, EncodeJob
-from omnistage.models.qwen2_5_omni.router import place_media_rows
+from omnistage.models.qwen2_5_omni.messages import EncodeJob
+from omnistage.models.qwen2_5_omni.router import audio_deltas, place_media_rows, reply_done
 from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, CodecFrames, EncodedMedia, TalkerStart,
                                                   TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
@@ -99,7 +99,7 @@ class Qwen3OmniRouter:
             return self._from_thinker(flow, out.payload)
         if out.stage == "talker":
             return [("code2wav", out.payload)]
-        return self._from_code2wav(flow, out.payload)
+        return audio_deltas(flow, flow.req.request_id, out.payload)
 
     def _merged(self, flow: _Flow, enc: EncodedMedia) -> ARRequest:
         """Encoder rows go to the placeholder positions of their modality, in prompt order; the
@@ -168,20 +168,9 @@ class Qwen3OmniRouter:
                            [-1] * len(kinds) + codec, req.talker_params,
                            mrope_positions=req.talker_mrope_positions, position_delta=req.talker_position_delta)
 
-    # ---- code2wav -> client -----------------------------------------------------------------
-    def _from_code2wav(self, flow: _Flow, a: AudioChunk) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
-        if a.samples.numel():
-            out.append((CLIENT, Delta(a.request_id, 0, "", [], audio=a.samples.numpy(), sample_rate=a.sample_rate)))
-        if a.finished:
-            flow.audio_done = True
-            out += self._maybe_done(flow)
-        return out
-
+    # ---- the end of a reply (code2wav's chunks: audio_deltas) ----------------------------------
     def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        if not (flow.text_done and flow.audio_done):
-            return []
-        return [(CLIENT, Delta(flow.req.request_id, 0, "", [], finished=True, finish_reason=flow.finish_reason))]
+        return reply_done(flow, flow.req.request_id)
 
 
 def user_positions(tokens: torch.Tensor, im_start: int, user: int) -> torch.Tensor:
