@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from omnistage.kernels.snake import SnakeKernel
-from omnistage.layers.snake import SnakeBeta, use_native_snake
+from omnistage.layers.snake import SnakeBeta, TimeMajorSnakeBeta, use_native_snake
 
 
 def snake(channels: int, seed: int) -> SnakeBeta:
@@ -65,3 +65,35 @@ def test_use_native_snake_sets_every_activation():
     assert use_native_snake(model) == 2
     assert all(isinstance(m.kernel, SnakeKernel) for m in model.modules() if isinstance(m, SnakeBeta))
     assert use_native_snake(nn.Linear(2, 2)) == 0
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (2, 17, 3), (1, 7680, 16), (3, 100, 40), (2, 33, 64)])
+def test_time_major_native_equals_torch(kernel, shape):
+    """The time-major form (B, L, C), channels unit-stride: whole vectors of channels and a
+    tail of C % 16, each lane with its own channel's parameters."""
+    torch.manual_seed(sum(shape))
+    x = torch.randn(shape) * 4
+    m = TimeMajorSnakeBeta(shape[2])
+    m.load_state_dict(snake(shape[2], seed=shape[1]).state_dict())
+    want = m(x)
+    torch.testing.assert_close(want, snake(shape[2], seed=shape[1])(x.transpose(1, 2)).transpose(1, 2))
+    m.kernel = kernel
+    got = m(x)
+    assert got.is_contiguous() and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    assert (got - want).abs().max() > 0 or x.numel() < 16
+
+
+def test_time_major_strided_steps(kernel):
+    """A trimmed or sliced time-major view (batch stride longer than L * C) reads each step
+    where it is."""
+    m = snake(20, seed=3)
+    tm = TimeMajorSnakeBeta(20)
+    tm.load_state_dict(m.state_dict())
+    x = torch.randn(3, 50, 20)[:, 4:-6]
+    x[1, 2, :3] = torch.tensor([3e4, float("inf"), float("nan")])
+    want = tm(x)
+    tm.kernel = kernel
+    got = tm(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, equal_nan=True)
+    assert got[1, 2, 1:3].isnan().all()

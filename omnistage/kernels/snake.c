@@ -1,4 +1,5 @@
-/* SnakeBeta in one pass: y = x + inv_mag[c] * sin(freq[c] * x)^2 over x (B, C, L), float32.
+/* SnakeBeta in one pass: y = x + inv_mag[c] * sin(freq[c] * x)^2 over x (B, C, L) or, time-major,
+ * (B, L, C), float32.
  *
  * torch spends four passes and two temporaries on it (mul, sin, square, addcmul), and at a
  * vocoder's 24 kHz these are its largest tensors. Here each element is read once and written
@@ -38,29 +39,50 @@ static inline int any_lane(vi m) {
     return acc != 0;
 }
 
-/* One row of L samples: in at x, out at y (both unit stride). */
+/* sin^2 of a = v * f for one vector, with the rare lanes out of the reduction's range
+ * (large, inf or NaN) through libm. */
+static inline vf snake_lanes(vf v, vf f, vf m) {
+    const vf a = v * f;
+    vf s2 = vsin_squared(a);
+    const vi in_range = (a <= splat(REDUCE_LIMIT)) & (a >= splat(-REDUCE_LIMIT));
+    if (any_lane(~in_range)) {
+        for (int k = 0; k < LANES; k++) {
+            if (!in_range[k]) {
+                const float t = sinf(a[k]);
+                s2[k] = t * t;
+            }
+        }
+    }
+    return v + m * s2;
+}
+
+/* One row of L samples of one channel: in at x, out at y (both unit stride). */
 static void snake_row(const float *x, float *y, float freq, float inv_mag, int64_t n) {
     const vf f = splat(freq), m = splat(inv_mag);
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const vf v = load(x + i), a = v * f;
-        vf s2 = vsin_squared(a);
-        const vi in_range = (a <= splat(REDUCE_LIMIT)) & (a >= splat(-REDUCE_LIMIT));
-        if (any_lane(~in_range)) {                         /* large, inf or NaN: rare */
-            for (int k = 0; k < LANES; k++) {
-                if (!in_range[k]) {
-                    const float t = sinf(a[k]);
-                    s2[k] = t * t;
-                }
-            }
-        }
-        store(y + i, v + m * s2);
-    }
+    for (; i + LANES <= n; i += LANES) store(y + i, snake_lanes(load(x + i), f, m));
     if (i < n) {                       /* the tail through the same lanes: one formula */
         float buf[LANES] = {0};
         memcpy(buf, x + i, (size_t)(n - i) * sizeof(float));
         snake_row(buf, buf, freq, inv_mag, LANES);
         memcpy(y + i, buf, (size_t)(n - i) * sizeof(float));
+    }
+}
+
+/* One time step of C channels: in at x, out at y (both unit stride), channel c's freq[c] and
+ * inv_mag[c]. */
+static void snake_span(const float *x, float *y, const float *freq, const float *inv_mag, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        store(y + i, snake_lanes(load(x + i), load(freq + i), load(inv_mag + i)));
+    if (i < n) {
+        float bx[LANES] = {0}, bf[LANES] = {0}, bm[LANES] = {0};
+        const size_t tail = (size_t)(n - i) * sizeof(float);
+        memcpy(bx, x + i, tail);
+        memcpy(bf, freq + i, tail);
+        memcpy(bm, inv_mag + i, tail);
+        store(bx, snake_lanes(load(bx), load(bf), load(bm)));
+        memcpy(y + i, bx, tail);
     }
 }
 
@@ -73,5 +95,18 @@ void snake_beta(const float *x, float *y, const float *freq, const float *inv_ma
     for (int64_t r = 0; r < rows; r++) {
         const int64_t b = r / channels, c = r % channels;
         snake_row(x + b * stride_b + c * stride_c, y + r * length, freq[c], inv_mag[c], length);
+    }
+}
+
+/* The time-major layout: x (B, L, C) with step (b, t) at x + b * stride_b + t * stride_t and
+ * its C channels contiguous; y: contiguous (B, L, C). */
+void snake_beta_time_major(const float *x, float *y, const float *freq, const float *inv_mag,
+                           int64_t batch, int64_t length, int64_t channels, int64_t stride_b,
+                           int64_t stride_t) {
+    const int64_t steps = batch * length;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < steps; r++) {
+        const int64_t b = r / length, t = r % length;
+        snake_span(x + b * stride_b + t * stride_t, y + r * channels, freq, inv_mag, channels);
     }
 }

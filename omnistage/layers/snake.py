@@ -35,6 +35,20 @@ class SnakeBeta(nn.Module):
         return torch.addcmul(x, s.mul_(s), inv_mag.unsqueeze(-1))
 
 
+class TimeMajorSnakeBeta(SnakeBeta):
+    """SnakeBeta over time-major activations (B, L, C): the layout a channels-last convolution
+    stack keeps (Qwen3-Omni's code2wav), with the channel-major module's parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, C) -> (B, L, C), any strides in; contiguous out."""
+        freq = self.alpha.exp()                              # (C,)
+        inv_mag = 1.0 / (self.beta.exp() + 1e-9)
+        if self.kernel is not None and self.kernel.supports(x):
+            return self.kernel.time_major(x, freq, inv_mag)
+        s = torch.mul(x, freq).sin_()
+        return torch.addcmul(x, s.mul_(s), inv_mag).contiguous()
+
+
 def use_native_snake(model: nn.Module) -> int:
     """Run every SnakeBeta of `model` through the native one-pass kernel where it builds (2-3x
     faster on a vocoder's 24 kHz activations; float32 CPU inputs only, others keep the torch

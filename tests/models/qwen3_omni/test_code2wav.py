@@ -266,7 +266,7 @@ def test_decoder_runs_over_its_reach_not_the_whole_context(models, seamless):
     fed = []
     for s, e in [(30, 42), (40, 60), (3, 9)]:
         w = Code2WavWindow(codes, s, e, 25, seamless)
-        hook = ours.decoder[0].register_forward_hook(lambda m, args, out: fed.append(args[0].shape[-1]))
+        hook = ours.decoder[0].register_forward_hook(lambda m, args, out: fed.append(args[0].shape[1]))
         try:
             got = ours.decode_windows([w])[0]
         finally:
@@ -282,7 +282,7 @@ def test_decoder_runs_over_its_reach_not_the_whole_context(models, seamless):
         full = ours._decode(h)[0, 0, 25 * SPF:]
         for short, over in ((1, 2e-6), (2, 1e-4)):     # float noise here: 5e-7
             first = 25 * steps - ours.decoder_reach + short
-            cut = ours._decode(h[..., first:])[0, 0, (25 * steps - first) * 480:]
+            cut = ours._decode(h[:, first:])[0, 0, (25 * steps - first) * 480:]
             assert (cut - full).abs().max() > over
 
 
