@@ -23,70 +23,35 @@ HTTP error in OpenAI's JSON.
 from __future__ import annotations
 
 import asyncio
-import base64
-import dataclasses
 import hmac
 import json
 import logging
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, WebSocket
 from starlette.websockets import WebSocketState
 
-from omnistage.chat_tools import ToolCall, ToolCallStream
+from omnistage.chat_tools import ToolCallStream
 from omnistage.engine_api import OutputOptions
 from omnistage.errors import InvalidRequestError
-from omnistage.media.encode import encode_audio
-from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
 from omnistage.server.errors import error_response
-from omnistage.server.realtime_events import (PCM_RATE, InputTranscription, Item, Part,
-                                              RealtimeError, SessionConfig,
+from omnistage.server.realtime_events import (PCM_RATE, Item, Part, RealtimeError, SessionConfig,
                                               appended_pcm, audio_part, check_event_size,
                                               check_metadata, check_room, default_config,
                                               error_json, insert_position, model_abilities,
                                               new_id, parse_item, response_config, response_json,
                                               update_config, usage_json)
 from omnistage.server.realtime_items import Conversation
+from omnistage.server.realtime_response import ClientGone, Response, ResponseEvents, output_options
 from omnistage.server.realtime_tools import chat_tools
+from omnistage.server.realtime_transcription import transcribe_item
 from omnistage.server.realtime_warm import TurnWarmer, warm_up
-from omnistage.server.transcribe import transcribe
 from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 
 log = logging.getLogger(__name__)
 
 
 WARM_SETTLE_S = 5.0     # a response waits at most this long for the turn's warm-up in flight
-
-
-def _output_options(cfg: SessionConfig, prefill_only: bool = False) -> OutputOptions:
-    """A response's engine output (a warm-up asks for the same: the same prompt)."""
-    speaks = cfg.output_modalities == ["audio"]
-    return OutputOptions(modalities=["text", "audio"] if speaks else ["text"], voice=cfg.voice,
-                         prefill_only=prefill_only)
-
-
-class _Closed(Exception):
-    """The client is gone; nothing more can be sent."""
-
-
-@dataclass
-class _Response:
-    id: str
-    cfg: SessionConfig                    # the session's config with this response's overrides
-    metadata: dict | None = None          # response.create's, echoed in response.created / done
-    task: asyncio.Task | None = None
-    cancel_reason: str | None = None      # "client_cancelled" | "turn_detected" | "disconnect"
-    item: Item | None = None              # the assistant item, once output began
-    first_audio_at: float | None = None   # loop time of the first audio delta
-    audio_seconds: float = 0.0            # audio sent so far
-    by_idle: bool = False                 # made by idle_timeout_ms (which it does not re-arm)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    finish_reason: str | None = None
-    closing: bool = False                 # the stream ended; only the done events remain
-    calls: ToolCallStream | None = None   # with tools offered: text held while a call may start
-    found: list[ToolCall] = field(default_factory=list)   # the calls the answer made
 
 
 def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
@@ -136,6 +101,7 @@ class RealtimeSession:
         self.cfg = default_config(self.model)
         self.id = new_id("sess")
         self.conv = Conversation(self.model)
+        self.events = ResponseEvents(self.send, self.conv)
         self.buffer = InputAudioBuffer(PCM_RATE, silero)  # with a detector while turns are detected
         self._buffer_lock = asyncio.Lock()  # appends run the detector in a worker thread
         self.turn_item: str | None = None  # the item id speech_started announced
@@ -144,7 +110,7 @@ class RealtimeSession:
         self._warms = 0
         self._idle: asyncio.TimerHandle | None = None   # idle_timeout_ms's timer, while armed
         self._tasks: set[asyncio.Task] = set()            # the timer's work in progress
-        self.active: _Response | None = None
+        self.active: Response | None = None
         self._send_lock = asyncio.Lock()  # response tasks and the reader both send
         self._handlers = {
             "session.update": self._session_update,
@@ -171,7 +137,7 @@ class RealtimeSession:
                 if msg["type"] == "websocket.disconnect":
                     break
                 await self._dispatch(msg.get("text"))
-        except _Closed:
+        except ClientGone:
             pass
         finally:
             self._disarm_idle()
@@ -183,11 +149,11 @@ class RealtimeSession:
         event = {"event_id": new_id("event"), **event}
         async with self._send_lock:
             if self.ws.application_state != WebSocketState.CONNECTED:
-                raise _Closed()
+                raise ClientGone()
             try:
                 await self.ws.send_text(json.dumps(event))
             except Exception as e:   # the peer went away mid-send (uvicorn's own error types)
-                raise _Closed() from e
+                raise ClientGone() from e
 
     async def _dispatch(self, text: str | None) -> None:
         event_id = None
@@ -273,7 +239,7 @@ class RealtimeSession:
             w.task = self._spawn(warm_up(
                 self.engine, self.ws.app.state.admission,
                 self.conv.messages(self.cfg.instructions) + [turn.message()],
-                _output_options(self.cfg, prefill_only=True),
+                output_options(self.cfg, prefill_only=True),
                 f"realtime-{self.id}-warm-{self._warms}"))
 
     async def _commit(self, event: dict) -> None:
@@ -294,7 +260,8 @@ class RealtimeSession:
                          "previous_item_id": self.conv.last_id()})
         await self._add_item(item, len(self.conv.items))
         if self.cfg.transcription is not None:
-            self._spawn(self._transcribe(item, self.cfg.transcription))
+            self._spawn(transcribe_item(self.engine, self.ws.app.state.admission, self.send, item,
+                                        self.cfg.transcription))
 
     def _end_turn(self) -> None:
         if self.warmer is not None:
@@ -319,7 +286,7 @@ class RealtimeSession:
         if r is not None and self.cfg.turn_detection.interrupt_response:
             await self._barge_in(r)
 
-    async def _barge_in(self, r: _Response) -> None:
+    async def _barge_in(self, r: Response) -> None:
         """Cancels `r` and cuts its audio to what the user can have heard by now: what was sent
         since its first audio delta, by the clock (a client that plays later, or slower, sends
         its own conversation.item.truncate, which may cut further)."""
@@ -333,7 +300,7 @@ class RealtimeSession:
             await self.send({"type": "conversation.item.truncated", "item_id": r.item.id,
                              "content_index": 0, "audio_end_ms": audio_end_ms})
 
-    def _arm_idle(self, r: _Response) -> None:
+    def _arm_idle(self, r: Response) -> None:
         """idle_timeout_ms: armed when a response ends, to fire that long after its audio has
         played out (by the clock, from its first delta) unless speech starts first. Once per
         silence: the response the timeout makes does not arm it again (no endless answers to
@@ -380,49 +347,8 @@ class RealtimeSession:
             await self._start_response(self.cfg, by_idle=True)
         except InvalidRequestError as e:       # e.g. a full conversation
             await self.send(error_json(str(e), e.param, "invalid_value"))
-        except _Closed:
+        except ClientGone:
             pass
-
-    async def _transcribe(self, item: Item, how: InputTranscription) -> None:
-        """conversation.item.input_audio_transcription.delta / .completed (or .failed) for a
-        committed user audio item, by the served model, beside any response (its own engine
-        request and admission ticket); the transcript is kept in the item."""
-        where = {"item_id": item.id, "content_index": 0}
-        ticket = self.ws.app.state.admission.try_acquire()
-        try:
-            if ticket is None:
-                raise RealtimeError("the server is at its request bound; the audio was not "
-                                    "transcribed", None, "rate_limit_exceeded")
-            deltas = transcribe(self.engine, item.parts[0].audio, f"realtime-{item.id}-asr",
-                                how.language, how.prompt)
-            text, prompt_tokens, output_tokens = "", 0, 0
-            try:
-                async for d in deltas:
-                    prompt_tokens = max(prompt_tokens, d.num_prompt_tokens)
-                    output_tokens += len(d.token_ids)
-                    if d.text:
-                        text += d.text
-                        await self.send({"type": "conversation.item.input_audio_transcription.delta",
-                                         **where, "delta": d.text})
-            finally:
-                await deltas.aclose()
-            item.parts[0].text = text.strip()
-            await self.send({"type": "conversation.item.input_audio_transcription.completed",
-                             **where, "transcript": item.parts[0].text,
-                             "usage": {"type": "tokens", **usage_json(prompt_tokens, output_tokens)}})
-        except _Closed:
-            pass
-        except Exception as e:  # noqa: BLE001 - a failed transcript is an event, not a crash
-            if not isinstance(e, InvalidRequestError):
-                log.error("realtime transcription of %s failed", item.id, exc_info=e)
-            code = e.code if isinstance(e, RealtimeError) else None
-            message = str(e) if isinstance(e, InvalidRequestError) else "internal error"
-            await self.send({"type": "conversation.item.input_audio_transcription.failed",
-                             **where, "error": {"type": "transcription_error", "code": code,
-                                                "message": message, "param": None}})
-        finally:
-            if ticket is not None:
-                ticket.release()
 
     async def _output_clear(self, event: dict) -> None:
         """output_audio_buffer.clear (OpenAI's WebRTC event): stop the audio of the running
@@ -487,7 +413,7 @@ class RealtimeSession:
             await self.send(error_json(admission.refusal_message(), code="rate_limit_exceeded",
                                        kind="rate_limit_error", event_id=event_id))
             return
-        r = _Response(new_id("resp"), cfg, metadata=metadata, by_idle=by_idle)
+        r = Response(new_id("resp"), cfg, metadata=metadata, by_idle=by_idle)
         self.active = r
         r.task = asyncio.create_task(self._respond(r, self.conv.messages(cfg.instructions)))
         r.task.add_done_callback(lambda _task: ticket.release())
@@ -512,25 +438,22 @@ class RealtimeSession:
         if not r.task.cancelled() and r.task.exception() is not None:
             log.error("realtime response %s ended with %r", r.id, r.task.exception())
 
-    async def _respond(self, r: _Response, messages: list[dict]) -> None:
+    async def _respond(self, r: Response, messages: list[dict]) -> None:
         """Runs one response to its response.done (completed, incomplete, cancelled, failed)."""
-        speaks = r.cfg.output_modalities == ["audio"]
         params = SamplingParams(temperature=r.cfg.temperature, max_tokens=r.cfg.max_output_tokens)
-        opts = _output_options(r.cfg)
         prompt = messages
         if r.cfg.offered_tools:
             prompt = {"messages": messages, "tools": chat_tools(r.cfg.offered_tools)}
             r.calls = ToolCallStream()
         try:
-            await self._run(r, prompt, params, opts, speaks)
-        except _Closed:
+            await self._run(r, prompt, params, output_options(r.cfg))
+        except ClientGone:
             pass
         finally:
             if self.active is r:
                 self.active = None
 
-    async def _run(self, r: _Response, messages, params: SamplingParams,
-                   opts: OutputOptions, speaks: bool) -> None:
+    async def _run(self, r: Response, messages, params: SamplingParams, opts: OutputOptions) -> None:
         status, details = "completed", None
         try:
             await self.send({"type": "response.created",
@@ -540,7 +463,7 @@ class RealtimeSession:
             deltas = self.engine.generate(messages, params, request_id=f"realtime-{r.id}",
                                           output=opts)
             try:
-                await self._stream(r, deltas, speaks)
+                await self.events.stream(r, deltas)
             finally:
                 await deltas.aclose()       # leaving an unfinished stream aborts the request
             if r.finish_reason == "length":
@@ -550,16 +473,16 @@ class RealtimeSession:
                 raise
             asyncio.current_task().uncancel()   # we cancelled it: close the response properly
             status, details = "cancelled", {"type": "cancelled", "reason": r.cancel_reason}
-        except _Closed:
+        except ClientGone:
             return
         # a bad conversation (the client's mistake), or an engine fault: this response fails
         except Exception as e:  # noqa: BLE001
             r.closing = True
             status, details = "failed", await self._failure(r, e)
         r.closing = True          # a cancel from now on waits for the done events instead
-        await self._finish(r, status, details, speaks)
+        await self._finish(r, status, details)
 
-    async def _failure(self, r: _Response, e: Exception) -> dict:
+    async def _failure(self, r: Response, e: Exception) -> dict:
         if isinstance(e, InvalidRequestError):
             kind, message = "invalid_request_error", str(e)
             await self.send(error_json(message, e.param, "invalid_value"))
@@ -568,70 +491,8 @@ class RealtimeSession:
             kind, message = "server_error", f"internal error; see the server log for {r.id}"
         return {"type": "failed", "error": {"type": kind, "code": None, "message": message}}
 
-    async def _stream(self, r: _Response, deltas, speaks: bool) -> None:
-        async for d in deltas:
-            if r.calls is not None:        # text that may be a call waits; calls come at the end
-                text = r.calls.push(d.text)
-                if d.finished:
-                    rest, r.found = r.calls.finish()
-                    text += rest
-                d = dataclasses.replace(d, text=text)
-            if r.item is None and (r.calls is None or d.text or d.audio is not None):
-                await self._open_item(r, speaks)
-            await self._send_delta(r, d, speaks)
-
-    async def _open_item(self, r: _Response, speaks: bool) -> None:
-        part = Part("output_audio", pcm=bytearray()) if speaks else Part("output_text")
-        r.item = Item(new_id("item"), "assistant", [part], status="in_progress")
-        shown = {**r.item.to_json(), "content": []}
-        await self.send({"type": "response.output_item.added", "response_id": r.id,
-                         "output_index": 0, "item": shown})
-        previous = self.conv.last_id()
-        self.conv.items.append(r.item)
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous,
-                         "item": shown})
-        part = {"type": "audio", "transcript": ""} if speaks else {"type": "text", "text": ""}
-        await self.send({"type": "response.content_part.added", **self._where(r), "part": part})
-
-    async def _send_delta(self, r: _Response, d: Delta, speaks: bool) -> None:
-        r.prompt_tokens = max(r.prompt_tokens, d.num_prompt_tokens)
-        r.output_tokens += len(d.token_ids)
-        if d.finished:
-            r.finish_reason = d.finish_reason
-        if d.text and r.item is not None:
-            r.item.parts[0].text += d.text
-            kind = "response.output_audio_transcript.delta" if speaks else "response.output_text.delta"
-            await self.send({"type": kind, **self._where(r), "delta": d.text})
-        if d.audio is not None and speaks and r.item is not None:
-            pcm = encode_audio(d.audio, d.sample_rate, "pcm")   # 16-bit little-endian at 24 kHz
-            if r.first_audio_at is None:
-                r.first_audio_at = asyncio.get_running_loop().time()
-            r.audio_seconds += len(pcm) / 2 / PCM_RATE
-            self.conv.keep_audio(r.item, pcm)
-            await self.send({"type": "response.output_audio.delta", **self._where(r),
-                             "delta": base64.b64encode(pcm).decode()})
-
-    async def _finish(self, r: _Response, status: str, details: dict | None, speaks: bool) -> None:
-        output = []
-        if r.item is not None:
-            text, where = r.item.parts[0].text, self._where(r)
-            if speaks:
-                await self.send({"type": "response.output_audio.done", **where})
-                await self.send({"type": "response.output_audio_transcript.done", **where,
-                                 "transcript": text})
-                part = {"type": "audio", "transcript": text}
-            else:
-                await self.send({"type": "response.output_text.done", **where, "text": text})
-                part = {"type": "text", "text": text}
-            await self.send({"type": "response.content_part.done", **where, "part": part})
-            r.item.status = "completed" if status == "completed" else "incomplete"
-            await self.send({"type": "response.output_item.done", "response_id": r.id,
-                             "output_index": 0, "item": r.item.to_json()})
-            await self.send({"type": "conversation.item.done", "item": r.item.to_json(),
-                             "previous_item_id": self.conv.previous_id(r.item.id)})
-            output = [r.item]
-        for call in r.found if status == "completed" else []:
-            output.append(await self._hand_out_call(r, call, len(output)))
+    async def _finish(self, r: Response, status: str, details: dict | None) -> None:
+        output = await self.events.close_output(r, status)
         if self.active is r:      # a response.create that answers response.done is welcome
             self.active = None
         if r.cancel_reason is None and not r.by_idle:
@@ -639,28 +500,3 @@ class RealtimeSession:
         await self.send({"type": "response.done", "response": response_json(
             r.id, status, r.cfg, output, details, usage_json(r.prompt_tokens, r.output_tokens),
             r.metadata)})
-
-    async def _hand_out_call(self, r: _Response, call: ToolCall, index: int) -> Item:
-        """A call the answer made, as a function_call item and its events (the arguments whole
-        in one delta); the client runs it and answers with a function_call_output item."""
-        item = Item(new_id("item"), "", type="function_call", call_id=call.id, name=call.name,
-                    arguments=call.arguments)
-        shown = {**item.to_json(), "status": "in_progress", "arguments": ""}
-        where = {"response_id": r.id, "item_id": item.id, "output_index": index, "call_id": call.id}
-        await self.send({"type": "response.output_item.added", "response_id": r.id,
-                         "output_index": index, "item": shown})
-        previous = self.conv.last_id()
-        self.conv.items.append(item)
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": shown})
-        await self.send({"type": "response.function_call_arguments.delta", **where, "delta": call.arguments})
-        await self.send({"type": "response.function_call_arguments.done", **where, "name": call.name,
-                         "arguments": call.arguments})
-        await self.send({"type": "response.output_item.done", "response_id": r.id,
-                         "output_index": index, "item": item.to_json()})
-        await self.send({"type": "conversation.item.done", "item": item.to_json(),
-                         "previous_item_id": previous})
-        return item
-
-    @staticmethod
-    def _where(r: _Response) -> dict:
-        return {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
