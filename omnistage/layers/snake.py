@@ -39,6 +39,12 @@ class TimeMajorSnakeBeta(SnakeBeta):
     """SnakeBeta over time-major activations (B, L, C): the layout a channels-last convolution
     stack keeps (Qwen3-Omni's code2wav), with the channel-major module's parameters."""
 
+    scale = 1          # a step of a causal stack (code2wav's CausalStep): pointwise
+
+    @staticmethod
+    def needs_from(out_from: int) -> int:
+        return out_from
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, C) -> (B, L, C), any strides in; contiguous out."""
         freq = self.alpha.exp()                              # (C,)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -138,6 +138,36 @@ def _time_major(y: torch.Tensor) -> torch.Tensor:
     return y.permute(0, 2, 3, 1).flatten(1, 2)
 
 
+class CausalStep(Protocol):
+    """A layer of the causal convolution stack, time-major (B, L, C) -> (B, L * scale, C'):
+    output j reads no input before needs_from(j) (and none past the input j // scale + 1)."""
+
+    scale: int
+
+    def needs_from(self, out_from: int) -> int:
+        """The first input index the outputs from index `out_from` on read (may be < 0)."""
+
+
+def run_causal(layers: Sequence[CausalStep], h: torch.Tensor, emit_from: int) -> torch.Tensor:
+    """Runs the stack over h (B, L, C), index 0 the first layer's first input, and returns its
+    output from index `emit_from` on. Each layer is fed only the inputs those outputs read: the
+    front a causal layer would compute from its zero padding, or from inputs no wanted output
+    reads, is never computed (a chunk's decode otherwise runs every layer over the decoder's
+    whole reach, 19 input steps, though the 24 kHz layers reach back 0.2 steps). The same values
+    as running every layer over everything and cutting (up to float rounding: the convolutions
+    see shorter inputs)."""
+    starts = [emit_from]
+    for layer in reversed(layers):
+        starts.append(max(0, layer.needs_from(starts[-1])))
+    starts.reverse()         # starts[i]: where layer i's input begins; starts[-1]: emit_from
+    at = 0                   # index of h's first row in the current layer's input
+    for layer, start in zip(layers, starts):
+        if start > at:
+            h, at = h[:, start - at:], start
+        h, at = layer(h), at * layer.scale
+    return h[:, emit_from - at:]
+
+
 class CausalConv(nn.Module):
     """Conv1d (stride 1) left-padded by its reach (kernel - 1) * dilation, time-major:
     (B, L, Cin) -> (B, L, Cout) (a view of a longer output); output t sees inputs t - reach .. t.
@@ -148,6 +178,11 @@ class CausalConv(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.reach = (kernel - 1) * dilation
+
+    scale = 1
+
+    def needs_from(self, out_from: int) -> int:
+        return out_from - self.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.conv
@@ -166,6 +201,11 @@ class TrimmedTransposedConv(nn.Module):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
+        self.scale = stride
+
+    def needs_from(self, out_from: int) -> int:
+        """Output j mixes inputs j // stride and (with the trim) j // stride + 1."""
+        return out_from // self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.conv
@@ -184,6 +224,11 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.empty(dim))
 
+    scale = 1
+
+    def needs_from(self, out_from: int) -> int:
+        return self.dwconv.needs_from(out_from)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(self.dwconv(x))
         return x + self.pwconv2(F.gelu(self.pwconv1(y))) * self.gamma
@@ -198,6 +243,11 @@ class ResidualUnit(nn.Module):
         self.conv1 = CausalConv(dim, dim, DECODER_KERNEL, dilation=dilation)
         self.act2 = TimeMajorSnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
+
+    scale = 1
+
+    def needs_from(self, out_from: int) -> int:
+        return self.conv1.needs_from(self.conv2.needs_from(out_from))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.conv2(self.act2(self.conv1(self.act1(x))))
@@ -412,19 +462,26 @@ class Code2Wav(nn.Module):
     def trimmed_samples(self) -> int:
         return self.config.trimmed_samples
 
+    def _stack(self) -> list[CausalStep]:
+        """Every layer after the transformer, in order: the upsampling pairs, then the decoder
+        with its blocks' layers one by one (what run_causal crops between)."""
+        layers: list[CausalStep] = [layer for pair in self.upsample for layer in pair]
+        for layer in self.decoder:
+            layers += list(layer.block) if isinstance(layer, DecoderBlock) else [layer]
+        return layers
+
     @property
     def decoder_reach(self) -> int:
         """How many decoder input steps (at 12.5 Hz * prod(upsampling_ratios)) before the step
-        of an output sample that sample can depend on: the causal convolutions' reach, summed
-        from the last layer back (each block's transposed conv maps its output sample j to
-        inputs j // u and j // u + 1, so a reach of r output samples is ceil(r / u) input
-        steps). 19 steps (4.75 frames) at the released config, against the 25 frames of left
-        context a chunk's window carries for the transformer."""
-        reach = DECODER_KERNEL - 1                                        # the last conv
-        for u in reversed(self.config.upsample_rates):
-            reach += (DECODER_KERNEL - 1) * sum(RESIDUAL_DILATIONS)       # the block's residual units
-            reach = -(-reach // u)                                        # through its transposed conv
-        return reach + DECODER_KERNEL - 1                                 # decoder.0
+        of an output sample that sample can depend on: the causal layers' needs, followed from
+        the last layer back (each block's transposed conv maps its output sample j to inputs
+        j // u and j // u + 1). 19 steps (4.75 frames) at the released config, against the 25
+        frames of left context a chunk's window carries for the transformer."""
+        steps = 1 << 20                    # far from the start: no layer's needs clamp at 0
+        need = steps * math.prod(self.config.upsample_rates)
+        for layer in reversed(self._stack()[2 * len(self.upsample):]):
+            need = layer.needs_from(need)
+        return steps - need
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      prefix: str = CHECKPOINT_PREFIX) -> set[str]:
@@ -448,19 +505,22 @@ class Code2Wav(nn.Module):
         return codes.to(self.code_embedding.weight.device, torch.long)
 
     @torch.no_grad()
-    def forward(self, codes: torch.Tensor, decode_from: int = 0) -> torch.Tensor:
-        """codes (B, Q, T) -> (B, 1, num_samples(T)), clamped to [-1, 1]. decode_from > 0: the
-        decoder starts at that input step (see _decode), and the output at sample decode_from *
-        prod(upsample_rates) of the window's time line."""
-        h = self._features(self.check_codes(codes))
-        return self._decode(h[:, decode_from:]).clamp(-1.0, 1.0)
+    def forward(self, codes: torch.Tensor, emit_from: int = 0) -> torch.Tensor:
+        """codes (B, Q, T) -> (B, 1, num_samples(T) - emit_from), clamped to [-1, 1]: the
+        waveform from sample emit_from of the window's time line on, each convolution run over
+        only what those samples read (run_causal)."""
+        h = self._frames(self.check_codes(codes))
+        return run_causal(self._stack(), h, emit_from).transpose(1, 2).clamp(-1.0, 1.0)
+
+    def _frames(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes (B, Q, T) -> the transformer's output (B, T, E)."""
+        c = self.config
+        offsets = torch.arange(c.num_quantizers, device=codes.device).view(1, -1, 1) * c.codebook_size
+        return self.pre_transformer(self.code_embedding(codes + offsets).mean(1))
 
     def _features(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (B, Q, T) -> the decoder's input, time-major (B, T * prod(upsampling_ratios), E)."""
-        c = self.config
-        offsets = torch.arange(c.num_quantizers, device=codes.device).view(1, -1, 1) * c.codebook_size
-        h = self.code_embedding(codes + offsets).mean(1)                  # (B, T, E)
-        h = self.pre_transformer(h)                                       # (B, T, E)
+        h = self._frames(codes)                                           # (B, T, E)
         for up, convnext in self.upsample:
             h = convnext(up(h))                                           # (B, L * r, E)
         return h
@@ -482,23 +542,23 @@ class Code2Wav(nn.Module):
         [start, end), i.e. forward(codes[None, :, start - ctx:end])[0, 0, ctx * spf:], whatever
         the chunk sizes before it. Windows of equal length (context + chunk) share one forward.
 
-        The transformer needs the window's context; the decoder (most of the work: it runs at
-        up to 24 kHz) only its reach: it runs from `decoder_reach` steps before the first
-        emitted sample's step, not over the whole context (a 12-frame chunk with 25 frames of
-        context: 16.75 frames decoded instead of 37). The samples are the same up to float
-        rounding (the convolutions see shorter inputs)."""
+        The transformer needs the window's context; the convolutions (most of the work: they
+        run at up to 24 kHz) only what the emitted samples read, layer by layer (run_causal):
+        the decoder's input from `decoder_reach` steps before the first emitted sample's step,
+        its 24 kHz layers from a fraction of a step before, not the whole context (a 12-frame
+        chunk with 25 frames of context: 16.75 frames into the decoder instead of 37). The
+        samples are the same up to float rounding (the convolutions see shorter inputs)."""
         out: list[torch.Tensor | None] = [None] * len(windows)
         by_len: dict[int, list[int]] = {}
         for i, w in enumerate(windows):
             w.check()
             by_len.setdefault(w.window_frames, []).append(i)
-        spf, per_step = self.samples_per_frame, math.prod(self.config.upsample_rates)
+        spf = self.samples_per_frame
         for idx in by_len.values():
             starts = [windows[i].emit_from(spf, self.trimmed_samples) for i in idx]
-            first = max(0, min(starts) // per_step - self.decoder_reach)    # decoder input step
-            wav = self(torch.stack([windows[i].window() for i in idx]), first)[:, 0]   # (G, S - first * per_step)
+            wav = self(torch.stack([windows[i].window() for i in idx]), min(starts))[:, 0]
             for row, (i, start) in enumerate(zip(idx, starts)):
-                out[i] = wav[row, start - first * per_step:]
+                out[i] = wav[row, start - min(starts):]
         return out
 
     def decode_window(self, codes: torch.Tensor, start: int, end: int,

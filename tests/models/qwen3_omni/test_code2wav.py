@@ -256,27 +256,33 @@ def test_full_context_window_is_a_slice_of_forward(models):
 def test_decoder_runs_over_its_reach_not_the_whole_context(models, seamless):
     """The decoder runs from decoder_reach steps before a chunk's first sample (19 steps,
     4.75 frames, here as at the released config), not over the transformer's 25 frames of
-    context: the same samples as the whole window's forward, the decoder fed fewer steps. One
+    context, and each later layer only over what it reaches back (the 24 kHz conv: 6 samples):
+    the same samples as the whole window's forward, the decoder fed fewer steps. One
     or two steps short of the reach changes the samples: the reach is needed, and computed
     from the layers, not guessed."""
     hf, ours = models
     assert ours.decoder_reach == 19
     codes = codes_for(1, 60, seed=12)[0]
     steps = SPF // 480                             # decoder input steps per frame
-    fed = []
+    fed, last = [], []
     for s, e in [(30, 42), (40, 60), (3, 9)]:
         w = Code2WavWindow(codes, s, e, 25, seamless)
-        hook = ours.decoder[0].register_forward_hook(lambda m, args, out: fed.append(args[0].shape[1]))
+        hooks = [ours.decoder[0].register_forward_hook(lambda m, args, out: fed.append(args[0].shape[1])),
+                 ours.decoder[-1].register_forward_hook(lambda m, args, out: last.append(args[0].shape[1]))]
         try:
             got = ours.decode_windows([w])[0]
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
         whole = ours(codes[None, :, s - w.context:e])[0, 0, w.emit_from(SPF, TRIMMED):]
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
-    # the chunk's steps + the reach (+ the 2 steps of 480 samples holding the 555 samples
-    # seamless emits before the chunk), instead of (25 + chunk) frames; a context under the
-    # reach: the whole window
-    assert fed == [12 * steps + 19 + 2 * seamless, 20 * steps + 19 + 2 * seamless, 9 * steps]
+        # the last conv (24 kHz) reads the emitted samples and its own reach (6), not the
+        # decoder's 19 steps of 480 before them
+        assert last[-1] == got.numel() + 6 or w.context == s < 5
+    # the chunk's steps + the reach (+ one step for the 555 samples seamless emits before
+    # the chunk: 1.16 steps of 480, which with the reach's own 18.4 steps still round up to
+    # 20), instead of (25 + chunk) frames; a context under the reach: the whole window
+    assert fed == [12 * steps + 19 + seamless, 20 * steps + 19 + seamless, 9 * steps]
     with torch.no_grad():
         h = ours._features(codes[None, :, 5:42])
         full = ours._decode(h)[0, 0, 25 * SPF:]
