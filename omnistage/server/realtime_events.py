@@ -174,6 +174,11 @@ class SessionConfig:
     tool_choice: str = "auto"             # auto | none
 
     @property
+    def speaks(self) -> bool:
+        """Responses are speech (with its transcript), not text."""
+        return self.output_modalities == ["audio"]
+
+    @property
     def offered_tools(self) -> list[dict]:
         """The tools a response offers the model (none with tool_choice none)."""
         return self.tools if self.tool_choice == "auto" else []

@@ -28,8 +28,7 @@ class ClientGone(Exception):
 
 def output_options(cfg: SessionConfig, prefill_only: bool = False) -> OutputOptions:
     """A response's engine output (a warm-up asks for the same: the same prompt)."""
-    speaks = cfg.output_modalities == ["audio"]
-    return OutputOptions(modalities=["text", "audio"] if speaks else ["text"], voice=cfg.voice,
+    return OutputOptions(modalities=["text", "audio"] if cfg.speaks else ["text"], voice=cfg.voice,
                          prefill_only=prefill_only)
 
 
@@ -53,7 +52,7 @@ class Response:
 
     @property
     def speaks(self) -> bool:
-        return self.cfg.output_modalities == ["audio"]
+        return self.cfg.speaks
 
     def where(self) -> dict:
         """The content's address in the events about it."""

@@ -75,13 +75,13 @@ class CascadeRouter:
     def _heard(self, flow: _Flow, t: Transcripts) -> list[tuple[str, object]]:
         if flow.req.prefill_only:      # a turn still spoken: heard so far, nothing to answer yet
             flow.text_done, flow.audio_done, flow.finish_reason = True, True, "stop"
-            return self._maybe_done(flow)
+            return reply_done(flow, flow.req.request_id)
         if not flow.req.transcribe_only:
             return [("llm", self._llm_request(flow.req, t.texts))]
         # a transcription: the answer is what was heard
         flow.text_done, flow.audio_done, flow.finish_reason = True, True, "stop"
         text = " ".join(x for x in t.texts if x)
-        return [(CLIENT, Delta(t.request_id, 0, text, [])), *self._maybe_done(flow)]
+        return [(CLIENT, Delta(t.request_id, 0, text, [])), *reply_done(flow, flow.req.request_id)]
 
     def _from_llm(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
@@ -92,8 +92,5 @@ class CascadeRouter:
             out.append(("tts", SpeakText(o.request_id, o.text, flow.req.voice, finished=o.finished)))
         if o.finished:
             flow.text_done, flow.finish_reason = True, o.finish_reason
-            out += self._maybe_done(flow)
+            out += reply_done(flow, flow.req.request_id)
         return out
-
-    def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        return reply_done(flow, flow.req.request_id)

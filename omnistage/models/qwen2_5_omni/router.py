@@ -131,7 +131,7 @@ class OmniRouter:
             flow.text_done, flow.finish_reason = True, o.finish_reason
             if flow.want_audio:
                 out += self._thinker_finished(flow)
-            out += self._maybe_done(flow)
+            out += reply_done(flow, flow.req.request_id)
         return out
 
     def _talker_inputs(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
@@ -185,8 +185,6 @@ class OmniRouter:
         return CodecChunk(flow.req.request_id, codes, finished, speaker=flow.req.speaker,
                           seed=flow.req.talker_params.seed)
 
-    def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        return reply_done(flow, flow.req.request_id)
 
 def place_media_rows(prompt_ids: list[int], groups: list[tuple[int, list[torch.Tensor]]]
                      ) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:

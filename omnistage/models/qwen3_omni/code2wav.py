@@ -462,10 +462,15 @@ class Code2Wav(nn.Module):
     def trimmed_samples(self) -> int:
         return self.config.trimmed_samples
 
-    def _stack(self) -> list[CausalStep]:
-        """Every layer after the transformer, in order: the upsampling pairs, then the decoder
-        with its blocks' layers one by one (what run_causal crops between)."""
-        layers: list[CausalStep] = [layer for pair in self.upsample for layer in pair]
+    def upsampler_steps(self) -> list[CausalStep]:
+        """The upsampling pairs' layers, in order: transformer frames (B, T, E) -> the
+        decoder's input (B, T * prod(upsampling_ratios), E)."""
+        return [layer for pair in self.upsample for layer in pair]
+
+    def decoder_steps(self) -> list[CausalStep]:
+        """The decoder's layers, its blocks' one by one (what run_causal crops between): the
+        decoder's input -> (B, L * prod(upsample_rates) - trimmed_samples, 1), not clamped."""
+        layers: list[CausalStep] = []
         for layer in self.decoder:
             layers += list(layer.block) if isinstance(layer, DecoderBlock) else [layer]
         return layers
@@ -479,7 +484,7 @@ class Code2Wav(nn.Module):
         frames of left context a chunk's window carries for the transformer."""
         steps = 1 << 20                    # far from the start: no layer's needs clamp at 0
         need = steps * math.prod(self.config.upsample_rates)
-        for layer in reversed(self._stack()[2 * len(self.upsample):]):
+        for layer in reversed(self.decoder_steps()):
             need = layer.needs_from(need)
         return steps - need
 
@@ -509,29 +514,15 @@ class Code2Wav(nn.Module):
         """codes (B, Q, T) -> (B, 1, num_samples(T) - emit_from), clamped to [-1, 1]: the
         waveform from sample emit_from of the window's time line on, each convolution run over
         only what those samples read (run_causal)."""
-        h = self._frames(self.check_codes(codes))
-        return run_causal(self._stack(), h, emit_from).transpose(1, 2).clamp(-1.0, 1.0)
+        h = self.frames(self.check_codes(codes))
+        steps = self.upsampler_steps() + self.decoder_steps()
+        return run_causal(steps, h, emit_from).transpose(1, 2).clamp(-1.0, 1.0)
 
-    def _frames(self, codes: torch.Tensor) -> torch.Tensor:
+    def frames(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (B, Q, T) -> the transformer's output (B, T, E)."""
         c = self.config
         offsets = torch.arange(c.num_quantizers, device=codes.device).view(1, -1, 1) * c.codebook_size
         return self.pre_transformer(self.code_embedding(codes + offsets).mean(1))
-
-    def _features(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes (B, Q, T) -> the decoder's input, time-major (B, T * prod(upsampling_ratios), E)."""
-        h = self._frames(codes)                                           # (B, T, E)
-        for up, convnext in self.upsample:
-            h = convnext(up(h))                                           # (B, L * r, E)
-        return h
-
-    def _decode(self, h: torch.Tensor) -> torch.Tensor:
-        """(B, L, E) -> (B, 1, L * prod(upsample_rates) - trimmed_samples), not clamped. Every
-        layer is causal or shifts by whole blocks: input step s0 onwards gives the same samples
-        from s0 * prod(upsample_rates) on, wherever the reach is covered (decoder_reach)."""
-        for layer in self.decoder:
-            h = layer(h)                                                  # ... (B, S, 1)
-        return h.transpose(1, 2)
 
     @torch.no_grad()
     def decode_windows(self, windows: list[Code2WavWindow]) -> list[torch.Tensor]:
@@ -556,9 +547,10 @@ class Code2Wav(nn.Module):
         spf = self.samples_per_frame
         for idx in by_len.values():
             starts = [windows[i].emit_from(spf, self.trimmed_samples) for i in idx]
-            wav = self(torch.stack([windows[i].window() for i in idx]), min(starts))[:, 0]
+            emit = min(starts)
+            wav = self(torch.stack([windows[i].window() for i in idx]), emit)[:, 0]
             for row, (i, start) in enumerate(zip(idx, starts)):
-                out[i] = wav[row, start - min(starts):]
+                out[i] = wav[row, start - emit:]
         return out
 
     def decode_window(self, codes: torch.Tensor, start: int, end: int,

@@ -24,7 +24,7 @@ import torch
 from omnistage.graph import CLIENT, Edge
 from omnistage.models.qwen2_5_omni.messages import EncodeJob
 from omnistage.models.qwen2_5_omni.router import audio_deltas, place_media_rows, reply_done
-from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, CodecFrames, EncodedMedia, TalkerStart,
+from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, EncodedMedia, TalkerStart,
                                                   TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
 from omnistage.outputs import Delta
@@ -133,7 +133,7 @@ class Qwen3OmniRouter:
                     # The thinker stopped before its reply's first row existed (it ended at its
                     # first token): transformers fails here; the answer has no audio.
                     flow.audio_done = True
-            out += self._maybe_done(flow)
+            out += reply_done(flow, flow.req.request_id)
         return out
 
     def _talker_inputs(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
@@ -167,10 +167,6 @@ class Qwen3OmniRouter:
         return TalkerStart(req.request_id, torch.cat([rows, tail]), kinds + [TEXT] * len(codec),
                            [-1] * len(kinds) + codec, req.talker_params,
                            mrope_positions=req.talker_mrope_positions, position_delta=req.talker_position_delta)
-
-    # ---- the end of a reply (code2wav's chunks: audio_deltas) ----------------------------------
-    def _maybe_done(self, flow: _Flow) -> list[tuple[str, object]]:
-        return reply_done(flow, flow.req.request_id)
 
 
 def user_positions(tokens: torch.Tensor, im_start: int, user: int) -> torch.Tensor:

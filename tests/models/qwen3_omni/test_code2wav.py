@@ -27,7 +27,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.layers.snake import use_native_snake
 from omnistage.models.qwen3_omni.code2wav import (Code2Wav, Code2WavConfig, Code2WavWindow,
-                                                  sliding_causal_mask)
+                                                  run_causal, sliding_causal_mask)
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=96, codebook_size=64, num_quantizers=16, decoder_dim=64,
@@ -284,11 +284,11 @@ def test_decoder_runs_over_its_reach_not_the_whole_context(models, seamless):
     # 20), instead of (25 + chunk) frames; a context under the reach: the whole window
     assert fed == [12 * steps + 19 + seamless, 20 * steps + 19 + seamless, 9 * steps]
     with torch.no_grad():
-        h = ours._features(codes[None, :, 5:42])
-        full = ours._decode(h)[0, 0, 25 * SPF:]
+        h = run_causal(ours.upsampler_steps(), ours.frames(codes[None, :, 5:42]), 0)
+        full = run_causal(ours.decoder_steps(), h, 0)[0, 25 * SPF:, 0]
         for short, over in ((1, 2e-6), (2, 1e-4)):     # float noise here: 5e-7
             first = 25 * steps - ours.decoder_reach + short
-            cut = ours._decode(h[:, first:])[0, 0, (25 * steps - first) * 480:]
+            cut = run_causal(ours.decoder_steps(), h[:, first:], 0)[0, (25 * steps - first) * 480:, 0]
             assert (cut - full).abs().max() > over
 
 
