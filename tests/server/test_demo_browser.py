@@ -48,7 +48,7 @@ def page(tiny_qwen2, start_server, api_key):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    """Chromium whose microphone plays the spoken question (48 kHz WAV, then 1 s of silence,
+    """Chromium whose microphone plays the spoken question (48 kHz WAV, then TAIL_S of silence,
     looped) and whose permission prompts are granted."""
     import numpy as np
     from selenium import webdriver
@@ -60,7 +60,7 @@ def browser(tmp_path_factory):
     said = FliteTTS().speak(QUESTION, "slt")
     mic = tmp_path_factory.mktemp("mic") / "question.wav"
     mic.write_bytes(wav_bytes(np.concatenate([resample(said.samples, said.sample_rate, 48000),
-                                              np.zeros(48000, np.float32)]), 48000))
+                                              np.zeros(48000 * TAIL_S, np.float32)]), 48000))
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1000",
@@ -131,6 +131,10 @@ def _record(driver, wait, where: str) -> None:
 
 
 RECORD_S = 3.0      # the question (~2 s of flite speech) and some of the silence after it
+# Each recording starts at the file's start, but on a loaded machine the stop click can land
+# seconds late; the fake device loops the file, so a short tail let a late stop hear the
+# question's first words again. A long tail keeps any late stop inside the silence.
+TAIL_S = 30
 
 
 def test_voice_chat_from_the_microphone(page, browser, tmp_path):
