@@ -41,6 +41,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from omnistage.errors import InvalidRequestError
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers import time_major
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
 
@@ -121,22 +122,9 @@ class Code2WavConfig:
 
 # ------------------------------------------------------------------ convolution parts
 #
-# The convolution stack runs time-major: activations (B, L, C) contiguous, each convolution fed
-# the (B, C, 1, L) channels-last view of that memory. oneDNN then convolves in place of the
-# layout: with PyTorch's default (B, C, L) it reordered every input into its blocked format and
-# every output back (38% of code2wav's oneDNN time in a measured run, and one more cached
-# primitive per shape), and a 16-channel 1x1 convolution at 24 kHz ran 2-3x slower.
-
-def _channels_last(x: torch.Tensor) -> torch.Tensor:
-    """(B, L, C) -> the (B, C, 1, L) view a 2-D convolution reads as channels-last (no copy
-    when x is contiguous)."""
-    return x.unsqueeze(1).permute(0, 3, 1, 2)
-
-
-def _time_major(y: torch.Tensor) -> torch.Tensor:
-    """A convolution's channels-last (B, C, 1, L) output -> (B, L, C) (a view)."""
-    return y.permute(0, 2, 3, 1).flatten(1, 2)
-
+# The convolution stack runs time-major (layers/time_major.py): activations (B, L, C), each
+# convolution fed the channels-last view (a 16-channel 1x1 convolution at 24 kHz ran 2-3x
+# slower in PyTorch's default layout, and every layer paid oneDNN's reorders both ways).
 
 class CausalStep(Protocol):
     """A layer of the causal convolution stack, time-major (B, L, C) -> (B, L * scale, C'):
@@ -185,10 +173,7 @@ class CausalConv(nn.Module):
         return out_from - self.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.conv
-        y = F.conv2d(_channels_last(x), c.weight.unsqueeze(2), c.bias, padding=(0, self.reach),
-                     dilation=(1, c.dilation[0]), groups=c.groups)
-        return _time_major(y)[:, :x.shape[1]]
+        return time_major.conv1d(self.conv, x, padding=self.reach)[:, :x.shape[1]]
 
 
 class TrimmedTransposedConv(nn.Module):
@@ -208,9 +193,7 @@ class TrimmedTransposedConv(nn.Module):
         return out_from // self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.conv
-        return _time_major(F.conv_transpose2d(_channels_last(x), c.weight.unsqueeze(2), c.bias,
-                                              stride=(1, c.stride[0]), padding=(0, self.trim)))
+        return time_major.conv_transpose1d(self.conv, x, padding=self.trim)
 
 
 class ConvNeXtBlock(nn.Module):
