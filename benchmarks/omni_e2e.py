@@ -576,6 +576,11 @@ def audio_check(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from omnistage.runtime.process import serial_torch_thread
+
+    # This thread (which may build the tiny checkpoint) must not open an OpenMP team of its
+    # own: a second team besides the engine thread's halves the engine's speed.
+    serial_torch_thread()
     args = parse_args(argv)
     args.model_dir, args.family = resolve_family(args)
     finish_args(args)

@@ -352,9 +352,12 @@ def _serve_run(args: argparse.Namespace) -> int:
 
     from omnistage import AsyncOmni
     from omnistage.entrypoints.model_source import resolve_model
+    from omnistage.runtime.process import serial_torch_thread
     from omnistage.server.app import build_app
     from omnistage.server.serve import resolve_api_key
 
+    # Before any torch work here: the engine's thread keeps the process's one OpenMP team.
+    serial_torch_thread()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.access_log:
         logging.getLogger("omnistage.access").setLevel(logging.WARNING)

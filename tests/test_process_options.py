@@ -63,3 +63,47 @@ def test_the_flag_reaches_the_engine_options():
     for argv, want in ((["serve", "tiny:qwen2"], "retain"),
                        (["serve", "tiny:qwen2", "--host-memory", "system"], "system")):
         assert engine_options(build_parser().parse_args(argv))["host_memory"] == want
+
+
+# In a fresh interpreter: a thread that opens an OpenMP team adds the team's worker threads to
+# the process; one that ran serial_torch_thread (or a serial_executor's thread) first adds
+# none, whatever torch ops it runs (elementwise, copies, GEMMs, convolutions, FFTs).
+TEAM_PROBE = """
+import json, os, threading, torch
+from omnistage.runtime.process import serial_executor, serial_torch_thread
+
+def work():
+    x = torch.randn(512, 1024)
+    (x * x).sum(); x.clone(); x @ x.T
+    torch.nn.functional.conv1d(x[None, :64], torch.randn(64, 64, 7), padding=3)
+    torch.fft.rfft(x, dim=1)
+
+def threads_after(*steps):
+    seen = []
+    def body():
+        for step in steps:
+            step()
+        seen.append(len(os.listdir("/proc/self/task")))   # while this thread still lives
+    t = threading.Thread(target=body)
+    t.start(); t.join()
+    return seen[0]
+
+idle = threads_after()
+with serial_executor("probe", 1) as pool:
+    pooled = pool.submit(lambda: (work(), len(os.listdir("/proc/self/task")))[1]).result()
+out = {"torch_threads": torch.get_num_threads(), "idle": idle,
+       "serial": threads_after(serial_torch_thread, work), "pooled": pooled,
+       "plain": threads_after(work)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="counts the process's threads in /proc")
+def test_serial_threads_open_no_openmp_team():
+    out = json.loads(subprocess.run([sys.executable, "-c", TEAM_PROBE], capture_output=True, text=True,
+                                    check=True, timeout=120).stdout)
+    if out["torch_threads"] < 2:
+        pytest.skip("one torch thread: no thread opens a team")
+    assert out["plain"] > out["idle"], out           # the control: a plain thread makes a team
+    assert out["serial"] == out["idle"], out
+    assert out["pooled"] == out["idle"], out         # (its one thread stands for the idle one)

@@ -2,6 +2,10 @@
 exist and sleeps on a condition variable otherwise (no polling); asyncio callers get deltas
 through per-request queues. Torch releases the GIL inside its kernels, so the event loop
 stays responsive while the engine computes.
+
+The engine thread owns the process's OpenMP team: a program that also runs parallel torch work
+on another thread of its own should call `omnistage.runtime.process.serial_torch_thread()`
+there first, or every engine step gets slower (see that module).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from omnistage.entrypoints.prompts import new_request_id
 from omnistage.errors import EngineDeadError, InvalidRequestError
 from omnistage.graph import failure_error
 from omnistage.outputs import Delta
+from omnistage.runtime.process import serial_executor
 from omnistage.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -43,7 +48,9 @@ class AsyncOmni:
         # The engine is built on its own thread, so that all of its torch work (loading,
         # packing, every step) runs on one OpenMP thread team. A second team in the process
         # (any parallel torch op on another thread) makes libgomp throttle its spin waits,
-        # and each parallel region then costs ~50 us more on a 2-core machine.
+        # and each parallel region then costs ~50 us more on a 2-core machine: requests are
+        # prepared on threads that run torch serially (runtime/process.py).
+        self._workers = serial_executor("omnistage-prepare")
         built: list = []
         ready = threading.Event()
         self._thread = threading.Thread(target=self._build_and_run, args=(built, ready),
@@ -110,7 +117,8 @@ class AsyncOmni:
     async def prepare(self, prompt, opts: OutputOptions | None = None):
         """The engine's checks and preprocessing of a prompt, in a worker thread: tokenizing a
         long prompt or decoding media takes a while, and the event loop stays free."""
-        return await asyncio.to_thread(self.engine.prepare, prompt, opts or OutputOptions())
+        return await asyncio.get_running_loop().run_in_executor(
+            self._workers, self.engine.prepare, prompt, opts or OutputOptions())
 
     def resolve(self, prepared, params):
         """The parameters a prepared request would run with (defaults filled, limits checked)."""
@@ -144,6 +152,7 @@ class AsyncOmni:
             self._stopping = True
             self._cv.notify()
         self._thread.join(timeout)
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self.engine.close()   # stage processes / actors
 
     def __enter__(self):

@@ -9,11 +9,13 @@ mid-stream aborts its request in the engine; each request leaves one access-log 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -29,6 +31,7 @@ from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.errors import EngineDeadError, InvalidRequestError, OmniStageError
 from omnistage.media.fetch import MediaFetchPolicy
 from omnistage.outputs import Delta
+from omnistage.runtime.process import serial_executor, serial_torch_thread
 from omnistage.server.access_log import AccessLogMiddleware, AccessRecord, ResponseEndMiddleware
 from omnistage.server.admission import Admission, AdmissionMiddleware
 from omnistage.server.audio_routes import add_audio_routes
@@ -62,7 +65,7 @@ class ServerLimits:
 def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
               limits: ServerLimits | None = None) -> FastAPI:
     limits = limits or ServerLimits()
-    app = FastAPI(title="omnistage", version=__version__)
+    app = FastAPI(title="omnistage", version=__version__, lifespan=_serial_torch_threads)
     if limits.metrics_auth not in ("key", "open"):
         raise ValueError(f"metrics_auth must be 'key' or 'open', got {limits.metrics_auth!r}")
     app.state.draining = False    # set on SIGTERM: new work gets 503 while in-flight finishes
@@ -101,6 +104,16 @@ def build_app(engine: AsyncOmni, model_name: str, api_key: str | None = None,
     app.state.video_jobs = add_video_routes(app, engine, model_name, check_model,
                                             limits.max_video_jobs)
     return app
+
+
+@asynccontextmanager
+async def _serial_torch_threads(app: FastAPI) -> AsyncIterator[None]:
+    """The event loop's thread and the threads of its `asyncio.to_thread` (media decoding,
+    the Realtime session's audio and VAD) run torch serially: the engine thread keeps the
+    process's one OpenMP team (runtime/process.py: a second team slows every engine step)."""
+    serial_torch_thread()
+    asyncio.get_running_loop().set_default_executor(serial_executor("omnistage-server"))
+    yield
 
 
 def _add_middleware(app: FastAPI, api_key: str | None, limits: ServerLimits,

@@ -120,7 +120,9 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
             t2w.dit.pack_for_onednn()      # ~1.7x on the DiT's GEMMs on CPU
         if config.linear_kernel != "matmul":
             use_native_snake(t2w.vocoder)  # BigVGAN's activations in one pass each
-        return VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
+        stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
+        stage.warm_up()
+        return stage
     raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")
 
 
