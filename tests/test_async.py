@@ -203,15 +203,16 @@ def test_abort_before_the_samples_fork_ends_the_stream(llm):
     async def main():
         task = asyncio.ensure_future(collect(llm, prompt, params, "n2"))
         with llm._cv:   # hold the engine thread until the add and the abort are both queued
-            for _ in range(100):
-                await asyncio.sleep(0)
-                if llm._commands:
-                    break
+            # generate() queues its add once a worker thread has prepared the prompt: wait for
+            # that (bounded), sleeping for real so the worker gets the GIL.
+            deadline = time.monotonic() + WAIT_S
+            while not llm._commands and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
             assert llm._commands, "generate() did not queue its request"
             await llm.abort("n2")
         return await task
 
-    deltas = run(main(), timeout=2.0)
+    deltas = run(main(), timeout=2 * WAIT_S)
     assert sorted(d.index for d in deltas if d.finished) == [0, 1]
     assert all(d.finish_reason == "abort" for d in deltas if d.finished)
 

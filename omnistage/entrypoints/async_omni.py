@@ -117,8 +117,16 @@ class AsyncOmni:
     async def prepare(self, prompt, opts: OutputOptions | None = None):
         """The engine's checks and preprocessing of a prompt, in a worker thread: tokenizing a
         long prompt or decoding media takes a while, and the event loop stays free."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._workers, self.engine.prepare, prompt, opts or OutputOptions())
+        gone = EngineDeadError("the engine was shut down; create a new AsyncOmni")
+        if self._stopping:
+            raise gone
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._workers, self.engine.prepare, prompt, opts or OutputOptions())
+        except RuntimeError as e:       # the workers were shut down meanwhile
+            if self._stopping:
+                raise gone from e
+            raise
 
     def resolve(self, prepared, params):
         """The parameters a prepared request would run with (defaults filled, limits checked)."""
