@@ -117,15 +117,12 @@ class AsyncOmni:
     async def prepare(self, prompt, opts: OutputOptions | None = None):
         """The engine's checks and preprocessing of a prompt, in a worker thread: tokenizing a
         long prompt or decoding media takes a while, and the event loop stays free."""
-        gone = EngineDeadError("the engine was shut down; create a new AsyncOmni")
-        if self._stopping:
-            raise gone
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 self._workers, self.engine.prepare, prompt, opts or OutputOptions())
-        except RuntimeError as e:       # the workers were shut down meanwhile
-            if self._stopping:
-                raise gone from e
+        except RuntimeError as e:       # shutdown() stopped the workers (before that, _submit
+            if self._stopping:          # answers a prepared request with the same error)
+                raise _shut_down() from e
             raise
 
     def resolve(self, prepared, params):
@@ -182,8 +179,7 @@ class AsyncOmni:
         with self._cv:
             if self._stopping or self.dead is not None:   # no engine thread left to run it
                 if stream is not None:
-                    _post(stream.loop, stream.queue.put_nowait,
-                          EngineDeadError("the engine was shut down; create a new AsyncOmni"))
+                    _post(stream.loop, stream.queue.put_nowait, _shut_down())
                 return
             self._commands.append(guarded)
             self._cv.notify()
@@ -235,6 +231,10 @@ class AsyncOmni:
             self.engine.abort_request(rid)
             _post(stream.loop, stream.queue.put_nowait, err)
         self._streams.clear()
+
+
+def _shut_down() -> EngineDeadError:
+    return EngineDeadError("the engine was shut down; create a new AsyncOmni")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:

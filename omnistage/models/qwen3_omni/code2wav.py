@@ -39,9 +39,9 @@ from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from omnistage.errors import InvalidRequestError
+from omnistage.layers import time_major
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
-from omnistage.layers import time_major
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
 
