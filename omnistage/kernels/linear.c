@@ -68,6 +68,20 @@ typedef int8_t vb __attribute__((vector_size(LANES)));
 typedef uint8_t vub __attribute__((vector_size(LANES)));
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+/* *p in every lane. Not `(vf){} + *p`: adding +0.0 is not a no-op to the compiler (it would
+ * turn -0.0 into +0.0), so that form keeps an add and a zero register; in the 3-row AVX2 tile
+ * that register was the 17th of 16 and an accumulator spilled to the stack, a store and a
+ * load on its FMA chain every k (half the GEMM speed). The sign of a zero x never shows in
+ * the results: accumulators start at +0.0 and round-to-nearest never makes -0.0 from +0.0. */
+static inline vf bcast(const float *p) {
+#if LANES == 16 && defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(*p);
+#elif LANES == 8 && defined(__AVX__)
+    return (vf)_mm256_broadcast_ss(p);
+#else
+    return (vf){} + *p;
+#endif
+}
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* The LANES weights of columns c..c+LANES of one panel row, as float32. `s`, `o`: the
@@ -132,7 +146,7 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
 /* Named accumulators, not an array: compilers keep these in registers (an array of vectors
  * is spilled to the stack, 2.5x slower). */
 #define DECL(m) vf c##m##0 = {}, c##m##1 = {}, c##m##2 = {}, c##m##3 = {};
-#define FMA(m) { const vf a = (vf){} + x[(m) * ldx + k]; \
+#define FMA(m) { const vf a = bcast(x + (m) * ldx + k); \
     c##m##0 += a * b0; c##m##1 += a * b1; c##m##2 += a * b2; c##m##3 += a * b3; }
 #define PUT(m) store(y + (m) * ldy, c##m##0 * e0 + d0); \
     store(y + (m) * ldy + LANES, c##m##1 * e1 + d1); \
@@ -198,7 +212,7 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
         const int64_t k1 = k0 + G < K ? k0 + G : K; \
         for (int64_t k = k0; k < k1; k++) { \
             const W##_t *row = p + k * W##_ROW; \
-            const vf a0 = (vf){} + x[k], a1 = two ? (vf){} + x[ldx + k] : (vf){}; \
+            const vf a0 = bcast(x + k), a1 = two ? bcast(x + ldx + k) : (vf){}; \
             REP8(WCOL, W) \
         } \
     } \
@@ -217,6 +231,7 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
  * cores (benchmarks.linear_kernel, 32000x512, 3-16 rows): 1.3-1.9x faster than 3-row tiles;
  * for weights that stay in cache, within the noise. */
 #define WIDE_MAX_M 16
+#define WIDE_MR 2
 #if BLOCKS == 2
 #define WIDE_TILES(W) TILE_WIDE(W, 1) TILE_WIDE(W, 2)
 /* `WIDE(...) statement`: the wide tile for 1-2 rows, else the statement. */
@@ -248,7 +263,7 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
 void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *gscales, \
                 int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy, \
                 int64_t m, int64_t n, int64_t k) { \
-    const int mr = BLOCKS == 2 && m <= WIDE_MAX_M ? 2 : MR; \
+    const int mr = BLOCKS == 2 && m <= WIDE_MAX_M ? WIDE_MR : MR; \
     const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + mr - 1) / mr; \
     const int64_t G = gscales != NULL ? group : (k > 0 ? k : 1), groups = (k + G - 1) / G; \
     _Pragma("omp parallel for schedule(static)") \
