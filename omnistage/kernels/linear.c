@@ -19,8 +19,8 @@
  * - many rows run a 6 x 64 register tile (24 accumulators) over a panel kept in L2; the
  *   widening / dequantizing of a panel row is paid once for the 6 rows.
  * With 8-lane vectors (AVX2) a 64-column tile of 3 rows does not fit the 16 registers: there
- * many rows run 3-row tiles over half a panel at a time, and up to WIDE_MAX_M rows (decode
- * batches, where the weights stream from memory) run 1-2 row tiles over whole panel rows.
+ * many rows run 3-row tiles over half a panel at a time, and 1-2 rows (up to WIDE_MAX_M for
+ * weights that stream from memory: decode batches) run 1-2 row tiles over whole panel rows.
  *
  * Batch invariance: every output element is one chain of fused multiply-adds over k = 0..K-1
  * in order (with the weight as dequantized in registers: exact for f32 and bf16, (u - 8) * s
@@ -226,12 +226,15 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
     REP8(WPUT, 0) \
     if (two) { REP8(WPUT, 1) } \
 }
-/* Up to this many rows, 8-lane builds cut the rows in wide tiles of 2: the panel streams
- * from memory once, contiguous, for the first and from L2 for the others. Measured on 2 Zen 3
- * cores (benchmarks.linear_kernel, 32000x512, 3-16 rows): 1.3-1.9x faster than 3-row tiles;
- * for weights that stay in cache, within the noise. */
+/* 8-lane builds: one or two rows always run the wide tiles; up to WIDE_MAX_M rows do too (in
+ * tiles of 2) when the weights take WIDE_MIN_BYTES or more, taken to stream from memory: the
+ * first tile reads the panel once, contiguous, the others from L2. Smaller weights stay in
+ * cache, where the 3-row tiles are faster (the 2-row wide tile needs 18 registers: two
+ * accumulators live on the stack). Measured on 2 Zen 3 cores (benchmarks.linear_kernel,
+ * 4-16 rows): 32000x512 (64 MB) 1.3-1.9x faster wide; 3584x512 (7 MB) 1.1-1.35x; 2048x384
+ * and 1536x512 (3 MB) 0.6-0.9x. In a real model every matrix streams from memory. */
 #define WIDE_MAX_M 16
-#define WIDE_MR 2
+#define WIDE_MIN_BYTES (4 << 20)
 #if BLOCKS == 2
 #define WIDE_TILES(W) TILE_WIDE(W, 1) TILE_WIDE(W, 2)
 /* `WIDE(...) statement`: the wide tile for 1-2 rows, else the statement. */
@@ -263,7 +266,8 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
 void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *gscales, \
                 int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy, \
                 int64_t m, int64_t n, int64_t k) { \
-    const int mr = BLOCKS == 2 && m <= WIDE_MAX_M ? WIDE_MR : MR; \
+    const double bytes = (double)n * (double)k * (double)(W##_ROW * sizeof(W##_t)) / PANEL; \
+    const int mr = BLOCKS == 2 && (m <= 2 || (m <= WIDE_MAX_M && bytes >= WIDE_MIN_BYTES)) ? 2 : MR; \
     const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + mr - 1) / mr; \
     const int64_t G = gscales != NULL ? group : (k > 0 ? k : 1), groups = (k + G - 1) / G; \
     _Pragma("omp parallel for schedule(static)") \

@@ -167,6 +167,19 @@ def test_rows_are_batch_invariant(kernel, fmt):
     assert torch.equal(kernel(mixed, packed, b)[4], whole[7])
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat("float32"), WeightFormat("bfloat16")], ids=lambda f: f.name)
+def test_rows_of_large_weights_are_batch_invariant(kernel, narrow_kernel, fmt):
+    """Weights of 4 MiB or more: up to 16 rows take the 8-lane build's 2-row wide tiles, more
+    rows its 3-row tiles; a row's bits are the same in either (and on the 16-lane path)."""
+    g = torch.Generator().manual_seed(3)
+    packed = kernel.pack(torch.randn(1024, 2048, generator=g), fmt)     # 8 / 4 MiB
+    x = torch.randn(19, 1024, generator=g)
+    whole = kernel(x, packed, None)                                      # 19 rows: 3-row tiles
+    for lo, hi in [(0, 1), (0, 2), (0, 3), (4, 9), (3, 19)]:
+        assert torch.equal(kernel(x[lo:hi], packed, None), whole[lo:hi])
+        assert torch.equal(narrow_kernel(x[lo:hi], packed, None), whole[lo:hi])
+
+
 def test_unsupported_reasons():
     assert unsupported_reason(torch.device("cpu"), torch.float32) is None
     assert "float32" in unsupported_reason(torch.device("cpu"), torch.bfloat16)
