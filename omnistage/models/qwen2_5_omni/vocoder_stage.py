@@ -93,13 +93,22 @@ class VocoderStage(Stage):
         return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.settings.stream,
                                steps=self.settings.steps, guidance_scale=self.settings.guidance_scale)
 
-    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
+    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
         """Decode first and second chunks once before serving (a few streams at once), so the
         first requests do not pay for what a process does only once: oneDNN's primitives,
         built per input shape, and the heap pages a chunk touches. Measured on the small
         checkpoint over the Realtime API: a fresh server's first answer waited 0.50 s for its
-        first chunk, the next ones 0.28 s. Seeds are explicit: requests' seeds do not move."""
+        first chunk, the next ones 0.28 s. Seeds are explicit: requests' seeds do not move.
+        Skipped when a first chunk's window is longer than `first_audio_frames` mel frames
+        (chunking too coarse to stream, e.g. one window per utterance): its shapes follow each
+        utterance, and the warm-up would decode thousands of frames for nothing. True when it
+        decoded."""
         speaker = next(iter(self.speakers))
+        probe = self._open("warm-up probe", speaker, seed=0)
+        first_window = (probe.cfg.chunk(0) + probe.cfg.look_ahead) * probe.repeats
+        probe.close()
+        if first_window > self.settings.first_audio_frames:
+            return False
         with torch.inference_mode():
             for batch in batches:
                 streams = [self._open(f"warm-up {i}", speaker, seed=i) for i in range(batch)]
@@ -110,6 +119,7 @@ class VocoderStage(Stage):
                     step_streams(streams)
                 for stream in streams:
                     stream.close()
+        return True
 
     def add(self, chunk: CodecChunk) -> None:
         s = self._streams.get(chunk.request_id)

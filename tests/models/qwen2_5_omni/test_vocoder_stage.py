@@ -117,3 +117,19 @@ def test_abort_in_the_middle_of_a_solve_frees_everything(model):
     assert out == ["b"]                                  # a's chunk is dropped, b's comes out
     stage.abort("b")
     assert stage.num_requests() == 0 and stage._solve is None and not stage.has_work()
+
+
+def test_warm_up_decodes_streamed_chunks_only_and_changes_no_output(model):
+    """A streamed configuration warms up (first and second chunks decoded before serving) and
+    a request's audio is the same as from a stage that did not; chunking too coarse to stream
+    (a first window past first_audio_frames, e.g. one window per utterance) is not warmed up."""
+    cold, warm = make_stage(model), make_stage(model)
+    assert warm.warm_up()
+    for stage in (cold, warm):
+        send(stage, "a", codes(40, 3), finished=True)
+    assert torch.equal(run_to_end(cold)["a"], run_to_end(warm)["a"])
+    assert not warm.has_work()
+    whole = make_stage(model, stream=StreamConfig(4096, 0, 0))
+    assert not whole.warm_up()
+    # 16 + 4 codes of 2 frames: a 40-frame first window; the default budget is 144.
+    assert not make_stage(model, first_audio_frames=39).warm_up()
