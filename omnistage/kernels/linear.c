@@ -411,7 +411,7 @@ static void panel_i4k(const int8_t *restrict q, const float *restrict s,
     memcpy(out, y, sizeof y);
 }
 
-#if defined(__AVX2__) && !defined(__AVX512BW__) || defined(__AVX2__) && defined(OMNISTAGE_NO_AVX512)
+#if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
 /* panel_i4k for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
  * above are pairs of registers on AVX2, and their 4 x 3 arrays (96 registers' worth) lived on
  * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the

@@ -72,6 +72,7 @@ class VocoderStage(Stage):
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
         (tests) gives a request's ODE start noise; default: a seeded generator per request."""
         self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
+        self.stream_config = settings.stream or StreamConfig.for_dit(model.config.dit_config)
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
@@ -90,7 +91,7 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.settings.stream,
+        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.stream_config,
                                steps=self.settings.steps, guidance_scale=self.settings.guidance_scale)
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
@@ -103,16 +104,14 @@ class VocoderStage(Stage):
         (chunking too coarse to stream, e.g. one window per utterance): its shapes follow each
         utterance, and the warm-up would decode thousands of frames for nothing. True when it
         decoded."""
-        speaker = next(iter(self.speakers))
-        probe = self._open("warm-up probe", speaker, seed=0)
-        first_window = (probe.cfg.chunk(0) + probe.cfg.look_ahead) * probe.repeats
-        probe.close()
+        cfg = self.stream_config
+        first_window = (cfg.chunk(0) + cfg.look_ahead) * self.model.config.dit_config.repeats
         if first_window > self.settings.first_audio_frames:
             return False
+        speaker = next(iter(self.speakers))
         with torch.inference_mode():
             for batch in batches:
                 streams = [self._open(f"warm-up {i}", speaker, seed=i) for i in range(batch)]
-                cfg = streams[0].cfg
                 for codes in (cfg.chunk(0) + cfg.look_ahead, cfg.chunk(1)):
                     for stream in streams:
                         stream.feed([0] * codes)
