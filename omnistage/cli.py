@@ -344,36 +344,45 @@ def _server_limits(args: argparse.Namespace, model_dir: str):
                         realtime_streamed_input=args.realtime_streamed_input)
 
 
-def _serve_run(args: argparse.Namespace) -> int:
-    import logging
-    import os
-
+def serve_parts(args: argparse.Namespace, api_key: str | None):
+    """What `omnistage serve` runs: (the engine, the app around it, uvicorn's config). Also the
+    demo's own server. The engine is built here (weights loaded) before this returns."""
     import uvicorn
 
     from omnistage import AsyncOmni
     from omnistage.entrypoints.model_source import resolve_model
-    from omnistage.runtime.process import serial_torch_thread
     from omnistage.server.app import build_app
-    from omnistage.server.serve import resolve_api_key
+    from omnistage.server.realtime_events import WS_MAX_MESSAGE_BYTES
 
-    # Before any torch work here: the engine's thread keeps the process's one OpenMP team.
-    serial_torch_thread()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.access_log:
-        logging.getLogger("omnistage.access").setLevel(logging.WARNING)
-    api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ.get("OMNISTAGE_API_KEY"))
     model_dir = resolve_model(args.model)      # tiny:ARCH built here, once
     limits = _server_limits(args, model_dir)
     engine = AsyncOmni(model_dir, **engine_options(args), **model_settings(args, model_dir))
     app = build_app(engine, args.served_model_name or args.model, api_key, limits)
-    from omnistage.server.realtime_events import WS_MAX_MESSAGE_BYTES
-    from omnistage.server.serve import DrainingServer
-
     # over uvicorn's 16 MiB: an oversized Realtime event is an error event, not a close (1009)
     # access_log off: omnistage.access logs each request when it ends (uvicorn's at its start)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=args.shutdown_timeout,
                             ws_max_size=WS_MAX_MESSAGE_BYTES)
+    return engine, app, config
+
+
+def _serve_logging(args: argparse.Namespace) -> None:
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.access_log:
+        logging.getLogger("omnistage.access").setLevel(logging.WARNING)
+
+
+def _serve_run(args: argparse.Namespace) -> int:
+    from omnistage.runtime.process import serial_torch_thread
+    from omnistage.server.serve import DrainingServer, resolve_api_key
+
+    # Before any torch work here: the engine's thread keeps the process's one OpenMP team.
+    serial_torch_thread()
+    _serve_logging(args)
+    api_key = resolve_api_key(args.api_key, args.api_key_file, os.environ.get("OMNISTAGE_API_KEY"))
+    engine, app, config = serve_parts(args, api_key)
     try:
         DrainingServer(config, app, engine, args.shutdown_timeout).run()
     finally:
@@ -387,25 +396,39 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
                              "not needed with --api-base")
     parser.add_argument("--api-base", default=None,
                         help="an omnistage server's URL (e.g. http://127.0.0.1:8000/v1); default: "
-                             "start `omnistage serve MODEL` on a free loopback port for the demo")
+                             "serve MODEL in the demo's own process (as `omnistage serve MODEL` "
+                             "with its defaults would) on a free loopback port")
     parser.add_argument("--api-key", default=None,
-                        help="the server's API key (default: $OMNISTAGE_API_KEY; a started server "
-                             "gets a fresh random key)")
+                        help="the server's API key (default: $OMNISTAGE_API_KEY; the demo's own "
+                             "server gets a fresh random key)")
     parser.add_argument("--host", default="127.0.0.1", help="address the page listens on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860, help="port of the page (default: 7860)")
-    parser.add_argument("--start-timeout", type=float, default=300.0,
-                        help="seconds to wait for the started server to be healthy (default: 300)")
 
 
 def _demo_run(args: argparse.Namespace) -> int:
-    from omnistage.demo import run_demo
+    import secrets
+
+    from omnistage.demo import LocalServer, run_demo
 
     if args.api_base is None and args.model is None:
         from omnistage.errors import InvalidRequestError
 
         raise InvalidRequestError("give a MODEL to serve, or --api-base of a running server", param="model")
-    return run_demo(args.model, args.api_base, args.api_key or os.environ.get("OMNISTAGE_API_KEY"),
-                    args.host, args.port, args.start_timeout)
+    api_key = args.api_key or os.environ.get("OMNISTAGE_API_KEY")
+    if args.api_base is not None:
+        return run_demo(args.api_base, api_key, args.host, args.port)
+    from omnistage.runtime.process import serial_torch_thread
+
+    serial_torch_thread()        # as in `serve`: the engine's thread keeps the one OpenMP team
+    serve_args = build_parser().parse_args(["serve", args.model, "--log-level", "warning"])
+    _serve_logging(serve_args)
+    api_key = api_key or secrets.token_urlsafe(24)     # the page's own server is never open
+    engine, _, config = serve_parts(serve_args, api_key)
+    server = LocalServer(config, engine)
+    try:
+        return run_demo(server.url, api_key, args.host, args.port)
+    finally:
+        server.stop(serve_args.shutdown_timeout)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {

@@ -6,7 +6,8 @@ The tabs follow what the model serves (GET /v1/models, its `omnistage` card): te
 chat completions, a voice picker); speech (/v1/audio/speech); transcription; image generation
 (/v1/images/generations, or /v1/images/edits with an input image; previews while denoising);
 video jobs (POST /v1/videos, progress as it is polled, then the
-MP4). A refusal from the server shows as its message, not a trace.
+MP4). A refusal from the server shows as its message, not a trace. Without --api-base the model
+is served in this process (`LocalServer`) and the page talks to it over loopback like any client.
 
 Needs the `demo` extra (`pip install -e '.[demo]'`: gradio and the openai SDK).
 """
@@ -16,12 +17,11 @@ from __future__ import annotations
 import base64
 import io
 import os
-import secrets
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 import wave
 from dataclasses import dataclass
@@ -235,54 +235,46 @@ def build_demo(client):
     return demo
 
 
-def run_demo(model: str | None, api_base: str | None, api_key: str | None, host: str, port: int,
-             start_timeout_s: float) -> int:
-    """Serve the page until interrupted; without `api_base`, start `omnistage serve MODEL` for
-    it on a free loopback port (stopped with the page)."""
+def run_demo(api_base: str, api_key: str | None, host: str, port: int) -> int:
+    """Serve the page for the server at `api_base` until interrupted (Ctrl-C or SIGTERM)."""
     import openai
 
-    # SIGTERM ends the page like Ctrl-C, so the server started for it is stopped too
+    # SIGTERM ends the page like Ctrl-C, so the caller stops its own server too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = None
-    if api_base is None:
-        api_key = api_key or secrets.token_urlsafe(24)
-        server, api_base = start_server(model, api_key, start_timeout_s)
-    try:
-        client = openai.OpenAI(base_url=api_base, api_key=api_key or "none", max_retries=0, timeout=600)
-        build_demo(client).launch(server_name=host, server_port=port)
-    finally:
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    client = openai.OpenAI(base_url=api_base, api_key=api_key or "none", max_retries=0, timeout=600)
+    build_demo(client).launch(server_name=host, server_port=port)
     return 0
 
 
-def start_server(model: str, api_key: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """`omnistage serve MODEL` on a free loopback port; (the process, its /v1 URL) once /health
-    answers. A process start has no event to wait on: /health is asked every 0.2 s, bounded."""
-    import httpx
+class LocalServer:
+    """The page's own server when no --api-base is given: `omnistage serve`'s engine and app
+    (cli.serve_parts) in this process, uvicorn on a thread of its own. The loopback socket
+    listens before the page is built, so a request sent before uvicorn's loop accepts waits in
+    the socket's backlog: nothing to poll for."""
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMNISTAGE_API_KEY": api_key}
-    # the key goes by the environment (on the command line it would show in `ps`)
-    proc = subprocess.Popen([sys.executable, "-m", "omnistage.cli", "serve", model, "--port", str(port)], env=env)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"omnistage serve {model} exited with {proc.returncode}")
+    def __init__(self, config, engine):
+        import uvicorn
+
+        self._engine, self._server = engine, uvicorn.Server(config)
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/v1"
+        self._thread = threading.Thread(target=self._run, name="omnistage-demo-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, f"{base}/v1"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError(f"omnistage serve {model} was not healthy within {timeout_s:g} s")
+            self._server.run(sockets=[self._sock])
+        finally:
+            # if uvicorn ever stops on its own, waiting requests are refused rather than hang
+            self._sock.close()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop accepting, let uvicorn end its connections (up to `timeout_s`), stop the engine."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._engine.shutdown()
 
 
 def _image_tab(gr, act: DemoActions) -> None:

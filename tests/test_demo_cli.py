@@ -1,5 +1,6 @@
-"""`omnistage demo` from the command line: with a MODEL it starts a server for the page and
-stops it with the page; with neither a MODEL nor --api-base it says what to give."""
+"""`omnistage demo` from the command line: with a MODEL it serves the model in its own process
+for the page and stops it with the page; with neither a MODEL nor --api-base it says what to
+give."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree with pgrep")
-def test_demo_starts_and_stops_its_own_server(tiny_qwen2):
+def test_demo_serves_the_model_in_its_own_process(tiny_qwen2):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "omnistage.cli", "demo", tiny_qwen2, "--port", str(port)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
@@ -44,12 +45,11 @@ def test_demo_starts_and_stops_its_own_server(tiny_qwen2):
                 pass
             assert time.monotonic() < deadline, "the demo page did not come up"
             time.sleep(0.2)
-        assert "omnistage" in page.text
-        servers = _children(proc.pid)
-        assert servers, "no server process was started for the page"
+        # the page was built from the server's /v1/models card: the model's server answered,
+        # and it runs in the demo's process (no server process was started for it)
+        assert f"omnistage: {tiny_qwen2}" in page.text
+        assert _children(proc.pid) == []
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    assert proc.returncode == 0
-    # the page's server went with it: the demo waited for it before exiting (it was reaped)
-    assert not any(os.path.exists(f"/proc/{pid}") for pid in servers)
+    assert proc.returncode == 0, proc.stderr.read()
