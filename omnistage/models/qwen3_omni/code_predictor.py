@@ -145,17 +145,18 @@ class CodePredictor(nn.Module):
         for layer in self.model.layers:
             layer.fuse()
 
-    def use_native_stack(self) -> bool:
+    def use_native_stack(self, rows: int = 1) -> bool:
         """After the products moved to the native kernel (layers.linear.native_linears_for):
         run each codebook pass's layers as one native call (predictor_stack.py), where the
-        attention kernels take this shape; returns whether it does."""
+        attention kernels take this shape, with caches for `rows` frames at once to start with
+        (grown when a step has more); returns whether it does."""
         layers = self.model.layers
         eps = {layer.input_layernorm.eps for layer in layers} | {self.model.norm.eps}
         eps |= {layer.post_attention_layernorm.eps for layer in layers} | {layer.self_attn.eps for layer in layers}
         if len(eps) != 1 or not PredictorStack.serves(layers, self.attention_shape, self.num_code_groups):
             return False
         self.native = PredictorStack(layers, self.model.norm.weight.detach(), eps.pop(), self.rope,
-                                     self.attention_shape, self.num_code_groups)
+                                     self.attention_shape, self.num_code_groups, rows)
         return True
 
     @torch.inference_mode()

@@ -33,7 +33,7 @@ class PredictorStack:
     """Bound to one predictor's fused layers (see code_predictor._Layer.fuse)."""
 
     def __init__(self, layers: Sequence, final_norm: torch.Tensor, eps: float, rope: RotaryEmbedding,
-                 shape: tuple[int, int, int], positions: int):
+                 shape: tuple[int, int, int], positions: int, rows: int = 1):
         heads, self.kv_heads, self.head_dim = shape
         self.block = _block(positions)
         self.attention = PagedAttentionKernel(heads, self.kv_heads, self.head_dim, self.block)
@@ -42,6 +42,9 @@ class PredictorStack:
         self.stack: NativeDecoderStack | None = None
         self.capacity = 0
         self._plans: dict[int, list[_Pass]] = {}
+        # Bound now for `rows` frames: growing later builds a new stack (the library looked up
+        # again, ~0.1 s) in the middle of a step, which the first busy moment would pay.
+        self._bind(rows)
 
     @staticmethod
     def serves(layers: Sequence, shape: tuple[int, int, int], positions: int) -> bool:

@@ -40,6 +40,7 @@ from omnistage.stages.recipe import Recipe
 from omnistage.runtime.process import apply_process_options
 
 THINKER_EMBED = "thinker.model.embed_tokens.weight"
+PREDICTOR_ROWS = 64      # frames the code predictor's native caches hold from the start
 
 
 @dataclass
@@ -122,7 +123,9 @@ def _talker_parts(config: EngineConfig, cfg: dict, dtype: torch.dtype, dev: torc
     # The code predictor reads all its weights 15 times per frame (one token at a time):
     # matrix-vector products at memory speed, where F.linear streams at half of it.
     native_linears_for(config, dev, dtype, predictor, *projections)
-    predictor.use_native_stack()      # and each pass's layers in one call, where it serves
+    # and each pass's layers in one call, where it serves, bound for a full talker batch (up to
+    # 64 frames: a few MB of caches) so that no step pays a rebinding
+    predictor.use_native_stack(rows=min(config.max_num_seqs, PREDICTOR_ROWS))
     end, pad = embedding_rows(files, THINKER_EMBED, [cfg["tts_eos_token_id"], cfg["tts_pad_token_id"]])
     return TalkerParts(projections[0].eval(), projections[1].eval(), predictor.eval(),
                        end.to(dev, dtype), pad.to(dev, dtype), prompt_id=t["codec_pad_id"])
