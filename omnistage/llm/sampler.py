@@ -39,7 +39,9 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per-request seeded generator (logits' device) or None
     prompt_token_ids: list[list[int]]         # repetition_penalty: prompt + output count as "seen"
     output_token_ids: list[list[int]]         # generated so far; presence/frequency count these
-    banned_token_ids: list[list[int]]         # masked to -inf this step (EOS/stop before min_tokens)
+    # masked to -inf this step (suppressed ids; EOS/stop before min_tokens); a list or a 1-D
+    # int64 tensor per row
+    banned_token_ids: list[list[int] | torch.Tensor]
 
     def __post_init__(self) -> None:
         n = len(self.params)
@@ -190,18 +192,20 @@ def _log_exp_noise(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().clamp_(min=torch.finfo(torch.float32).tiny).log_()
 
 
-def mask_banned(x: torch.Tensor, banned: list[list[int]]) -> None:
+def mask_banned(x: torch.Tensor, banned: list[list[int] | torch.Tensor]) -> None:
     """In place: x[i, t] = -inf for every t in banned[i]. Out-of-vocab ids are ignored.
 
     At least one token per row must stay unbanned (else the row's distribution is empty).
+    Rows go to the index whole (a talker bans ~1000 codec ids per row at every step).
     """
-    V = x.shape[1]
-    rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < V]
-    cols = [t for ids in banned for t in ids if 0 <= t < V]
-    if rows:
-        r = torch.tensor(rows, dtype=torch.long, device=x.device)
-        c = torch.tensor(cols, dtype=torch.long, device=x.device)
-        x[r, c] = -math.inf
+    counts = [len(ids) for ids in banned]
+    if not any(counts):
+        return
+    cols = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in banned]).to(x.device)
+    rows = torch.repeat_interleave(torch.arange(len(banned), device=x.device),
+                                   torch.tensor(counts, device=x.device))
+    inside = (cols >= 0) & (cols < x.shape[1])
+    x[rows[inside], cols[inside]] = -math.inf
 
 
 def apply_penalties(x: torch.Tensor, rows: list[int], batch: SamplingBatch) -> None:

@@ -228,3 +228,21 @@ def test_prefix_hits_serve_hidden_states_and_embedding_prompts(tiny_qwen2, llm):
     assert again.num_cached_tokens == (len(prompts[0]) - 1) // 4 * 4
     other = llm.generate({"prompt_embeds": emb + 0.01}, params)[0]
     assert other.num_cached_tokens == 0
+
+
+def test_suppressed_ids_are_never_chosen(llm):
+    """The greedy continuation's own tokens, suppressed, never come out: for every request that
+    shares one params object (its suppress list converted once and reused) and for a request
+    with another list, whose own ids are honoured."""
+    prompts = [_ids(12, s) for s in range(3)]
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    greedy = [o.token_ids for o in llm.generate(prompts, plain)]
+    banned = sorted({t for ids in greedy for t in ids})
+    shared = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, suppress_token_ids=banned)
+    for _ in range(2):                     # the second time from the converted list
+        for out in llm.generate(prompts, shared):
+            assert not set(out.token_ids) & set(banned), out.token_ids
+    other = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, suppress_token_ids=greedy[0][:1])
+    out = llm.generate(prompts[0], other)[0].token_ids
+    assert greedy[0][0] not in out and out != greedy[0]
+    assert set(out) & set(banned), "the other list's ids only are suppressed, not the shared one's"
