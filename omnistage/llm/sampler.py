@@ -201,7 +201,7 @@ def mask_banned(x: torch.Tensor, banned: list[list[int] | torch.Tensor]) -> None
     counts = [len(ids) for ids in banned]
     if not any(counts):
         return
-    cols = torch.cat([torch.as_tensor(ids, dtype=torch.long) for ids in banned]).to(x.device)
+    cols = torch.cat([torch.as_tensor(ids, dtype=torch.long, device=x.device) for ids in banned])
     rows = torch.repeat_interleave(torch.arange(len(banned), device=x.device),
                                    torch.tensor(counts, device=x.device))
     inside = (cols >= 0) & (cols < x.shape[1])
