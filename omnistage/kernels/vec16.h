@@ -12,7 +12,42 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 static inline vf load(const float *p) { vf v; __builtin_memcpy(&v, p, sizeof v); return v; }
+
+/* Where 16 lanes are two 256-bit registers (AVX/AVX2 without AVX-512), GCC (12) lowers a
+ * 16-lane comparison to 16 scalar compares, and a 64-byte store through the stack (the
+ * register pair spilled, then copied in 16-byte pieces): a kernel's exp, max or range check
+ * then cost several times its arithmetic (SnakeBeta ran slower than torch's four passes).
+ * There the comparisons and the store take each half with the 256-bit instruction (the same
+ * lanes, so the same bits; comparisons ordered, false for NaN, as C's operators). */
+#if defined(__AVX__) && !defined(__AVX512F__)
+#include <immintrin.h>
+typedef union { vf v; __m256 h[2]; } vf_halves;
+typedef union { vi v; __m256 h[2]; } vi_halves;
+static inline void store(float *p, vf v) {
+    const vf_halves u = {v};
+    _mm256_storeu_ps(p, u.h[0]);
+    _mm256_storeu_ps(p + 8, u.h[1]);
+}
+#define VEC16_COMPARE(name, op, predicate)                                                  \
+    static inline vi name(vf a, vf b) {                                                     \
+        const vf_halves x = {a}, y = {b};                                                   \
+        vi_halves r;                                                                        \
+        r.h[0] = _mm256_cmp_ps(x.h[0], y.h[0], predicate);                                  \
+        r.h[1] = _mm256_cmp_ps(x.h[1], y.h[1], predicate);                                  \
+        return r.v;                                                                         \
+    }
+#else
 static inline void store(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+#define VEC16_COMPARE(name, op, predicate) \
+    static inline vi name(vf a, vf b) { return a op b; }
+#endif
+/* Lane masks (all ones where true): a < b, a <= b, a > b, a >= b. */
+VEC16_COMPARE(vlt, <, _CMP_LT_OQ)
+VEC16_COMPARE(vle, <=, _CMP_LE_OQ)
+VEC16_COMPARE(vgt, >, _CMP_GT_OQ)
+VEC16_COMPARE(vge, >=, _CMP_GE_OQ)
+#undef VEC16_COMPARE
+
 /* bfloat16 is float32's upper half: widening is a shift (exact); narrowing rounds to nearest,
  * ties to even, as torch rounds (bit for bit), and any NaN to a quiet NaN. */
 typedef uint16_t vh16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
@@ -30,14 +65,14 @@ static inline uint16_t float_bf16(float f) {
 }
 static inline vf splat(float x) { return (vf){} + x; }
 static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
+static inline vf vmax(vf a, vf b) { return vselect(vgt(a, b), a, b); }
 
 /* exp on 16 lanes: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2 (Cephes' expf polynomial).
  * Lanes below -87 (including -inf) give exactly 0. */
 static inline vf vexp(vf x) {
-    const vi keep = x >= splat(-87.0f);
+    const vi keep = vge(x, splat(-87.0f));
     x = (vf)((vi)x & keep);                            /* dropped lanes: 0, kept finite */
-    x = vselect(x < splat(88.0f), x, splat(88.0f));
+    x = vselect(vlt(x, splat(88.0f)), x, splat(88.0f));
     const vf big = splat(12582912.0f);                 /* 1.5 * 2^23: round to nearest */
     const vf n = (x * splat(1.44269504088896341f) + big) - big;
     vf r = x - n * splat(0.693359375f);
