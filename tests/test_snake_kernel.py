@@ -97,3 +97,24 @@ def test_time_major_strided_steps(kernel):
     got = tm(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6, equal_nan=True)
     assert got[1, 2, 1:3].isnan().all()
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_a_lane_out_of_range_redoes_only_its_task(kernel, time_major):
+    """The kernel checks the polynomial's range once per task (512 steps of a row) and redoes a
+    task that had a lane out of it through libm: values out of range in one task of a long row,
+    every task's values as torch gives."""
+    m = snake(16, seed=4)
+    x = torch.randn(2, 16, 1700) * 4
+    x[1, 5, 700] = 1e6                               # the second task of row (1, 5) / of batch 1
+    x[0, 3, 1650] = float("nan")                     # the last, partial task
+    mod = m
+    if time_major:
+        mod = TimeMajorSnakeBeta(16)
+        mod.load_state_dict(m.state_dict())
+        x = x.transpose(1, 2).contiguous()
+    want = mod(x)
+    mod.kernel = kernel
+    got = mod(x)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6, equal_nan=True)
+    assert got.isnan().sum() == 1
