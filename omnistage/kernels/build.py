@@ -13,6 +13,7 @@ by another user is not used: this process builds its kernels in a private tempor
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import logging
 import os
@@ -68,10 +69,7 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     """The path of `source` compiled with `-D NAME=VALUE` for each of `defines`, and the
     compiler `flags` after ours (e.g. -mno-avx512f: code for CPUs without AVX-512)."""
     cc = compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
+    version = _compiler_version(cc, _mtime_ns(cc))
     args = [*FLAGS, *flags, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\0".join([_source_text(source), *args, version, _cpu_flags()]).encode())
     out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
@@ -91,6 +89,25 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     os.chmod(tmp, 0o700)                 # whatever the umask: writable by this user alone
     os.replace(tmp, out)                 # (replaces a refused library of the same name)
     return out
+
+
+def _mtime_ns(cc: str) -> int:
+    """When the compiler's executable last changed (0 if it cannot be found): a new compiler
+    under the same name is asked for its version again."""
+    try:
+        return os.stat(shutil.which(cc) or cc).st_mtime_ns
+    except OSError:
+        return 0
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(cc: str, mtime_ns: int) -> str:
+    """`cc --version`, asked once per compiler executable and process: a model's start looks
+    up a dozen libraries, and each subprocess cost ~5-20 ms (more on a busy machine)."""
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeBuildError(f"C compiler {cc!r} does not run: {e}") from e
 
 
 def _source_text(source: Path) -> str:

@@ -22,6 +22,11 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels), requires_grad=False)     # log magnitude
         self.kernel: SnakeKernel | None = None       # set by use_native_snake
 
+    def parameters_for_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(freq, inv_mag), (C,) float32 contiguous: exp(alpha) and 1 / (exp(beta) + 1e-9)."""
+        freq = self.alpha.detach().float().exp()
+        return freq.contiguous(), (1.0 / (self.beta.detach().float().exp() + 1e-9)).contiguous()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, L) -> (B, C, L)."""
         freq = self.alpha.exp()                              # (C,)

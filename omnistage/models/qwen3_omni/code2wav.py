@@ -29,6 +29,7 @@ cover the attention's reach (num_hidden_layers * (sliding_window - 1) frames).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
@@ -39,11 +40,15 @@ from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from omnistage.errors import InvalidRequestError
+from omnistage.kernels.build import NativeBuildError
+from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
 from omnistage.layers import time_major
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "code2wav."
 # Tensors a checkpoint may carry that are derived from the config, never read.
@@ -226,6 +231,8 @@ class ResidualUnit(nn.Module):
         self.conv1 = CausalConv(dim, dim, DECODER_KERNEL, dilation=dilation)
         self.act2 = TimeMajorSnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
+        self.kernel: Code2WavUnitKernel | None = None      # set by use_native_units
+        self._packed: tuple[tuple[int, ...], UnitWeights] | None = None
 
     scale = 1
 
@@ -233,7 +240,42 @@ class ResidualUnit(nn.Module):
         return self.conv1.needs_from(self.conv2.needs_from(out_from))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.kernel.supports(x, self.conv2.conv.out_channels):
+            return self.kernel(x, self.packed())             # one pass (kernels/code2wav_unit.c)
         return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+
+    def packed(self) -> UnitWeights:
+        """The parameters in the native kernel's layout, packed again after any of them
+        changed (a load after use_native_units: each parameter's version and storage)."""
+        params = list(self.parameters())
+        key = tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
+        if self._packed is None or self._packed[0] != key:
+            c1, c2 = self.conv1.conv, self.conv2.conv
+            w = UnitWeights(
+                conv1=c1.weight.detach().float().permute(2, 1, 0).contiguous(), dilation=c1.dilation[0],
+                bias1=None if c1.bias is None else c1.bias.detach().float().contiguous(),
+                conv2=c2.weight.detach().float()[:, :, 0].t().contiguous(),
+                bias2=None if c2.bias is None else c2.bias.detach().float().contiguous(),
+                snake1=self.act1.parameters_for_kernel(), snake2=self.act2.parameters_for_kernel())
+            self._packed = (key, w)
+        return self._packed[1]
+
+
+def use_native_units(model: nn.Module) -> int:
+    """Run every ResidualUnit of `model` as one native pass where the kernel builds (float32
+    CPU activations with channels a multiple of 16; others keep the torch ops; values within
+    float rounding of them). -> how many units took it (0: it did not build)."""
+    units = [m for m in model.modules() if isinstance(m, ResidualUnit)]
+    if not units:
+        return 0
+    try:
+        kernel = Code2WavUnitKernel()
+    except NativeBuildError as e:
+        log.info("code2wav's residual units stay on torch ops: %s", e)
+        return 0
+    for m in units:
+        m.kernel = kernel
+    return len(units)
 
 
 class DecoderBlock(nn.Module):
