@@ -14,8 +14,9 @@ from omnistage.llm.model_output import LMOutput
 from omnistage.llm.sampler import Sampler, SamplingBatch
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
+from omnistage.sampling_params import SamplingParams
 
-SUPPRESS_CACHE_SIZE = 256       # suppress lists kept as tensors (ModelRunner._suppressed)
+SUPPRESS_CACHE_SIZE = 256       # banned-id tensors kept (ModelRunner._banned)
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ModelRunner:
         self._gather_buffer: torch.Tensor | None = None
         self.eos_token_ids = set(eos_token_ids)
         self.sampler = Sampler(seed)
-        self._suppress_cache: dict[int, tuple[list[int], torch.Tensor]] = {}   # _suppressed
+        self._suppress_cache: dict[tuple[int, bool], tuple[tuple, torch.Tensor]] = {}   # _banned
         # Prefix caching on: sequences that return hidden states keep their prompt rows until
         # their blocks are stored (a later request that reuses the blocks needs them).
         self.keep_prompt_rows = False
@@ -283,29 +284,31 @@ class ModelRunner:
                     st.top_logprobs = list(zip(top_ids[i][:k], top_lp[i][:k]))
         return sampled
 
-    def _suppressed(self, ids: list[int]) -> torch.Tensor | list[int]:
-        """A request's suppress_token_ids as a tensor, made once per list (params are not
-        changed once submitted): a talker's holds ~1000 codec ids, and converting them cost
-        ~0.15 ms a row at every step. Found by the list's identity; the cache holds the list,
-        so that identity is not reused while cached."""
-        if not ids:
-            return ids
-        hit = self._suppress_cache.get(id(ids))
-        if hit is None or hit[0] is not ids:
+    def _banned(self, params: SamplingParams, before_min: bool) -> torch.Tensor | list[int]:
+        """A request's banned ids as a tensor, made once per params object (params are not
+        changed once submitted): its suppress_token_ids, and before min_tokens also the EOS and
+        stop ids. A talker's hold ~1000 codec ids: converting them (and, before min_tokens,
+        merging them with the stops as sorted sets) cost ~0.15 ms a row at every step. Found
+        by the object's identity (and its lists': a list assigned anew is converted anew); the
+        cache holds them, so no identity is reused while cached."""
+        if not params.suppress_token_ids and not before_min:
+            return []
+        key = (id(params), before_min)
+        lists = (params, params.suppress_token_ids, params.stop_token_ids)
+        hit = self._suppress_cache.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], lists)):
             if len(self._suppress_cache) >= SUPPRESS_CACHE_SIZE:
                 self._suppress_cache.clear()
-            hit = self._suppress_cache[id(ids)] = (ids, torch.tensor(ids, dtype=torch.long, device=self.device))
+            ids = set(params.suppress_token_ids)
+            if before_min:
+                ids |= self.eos_token_ids | set(params.stop_token_ids)
+            hit = self._suppress_cache[key] = (lists, torch.tensor(sorted(ids), dtype=torch.long,
+                                                                   device=self.device))
         return hit[1]
 
     def _batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        banned = []
-        for s in seqs:
-            # Forked samples have not appended their first token yet: count from the prompt.
-            if s.num_output_tokens < s.params.min_tokens:
-                banned.append(sorted(set(s.params.suppress_token_ids) | self.eos_token_ids
-                                     | set(s.params.stop_token_ids)))
-            else:
-                banned.append(self._suppressed(s.params.suppress_token_ids))
+        # Forked samples have not appended their first token yet: count from the prompt.
+        banned = [self._banned(s.params, s.num_output_tokens < s.params.min_tokens) for s in seqs]
         return SamplingBatch(
             params=[s.params for s in seqs],
             generators=[s.generator for s in seqs],

@@ -201,6 +201,10 @@ def mask_banned(x: torch.Tensor, banned: list[list[int] | torch.Tensor]) -> None
     counts = [len(ids) for ids in banned]
     if not any(counts):
         return
+    if isinstance(banned[0], torch.Tensor) and all(ids is banned[0] for ids in banned):
+        cols = banned[0].to(x.device)           # every row the same tensor: one column index
+        x[:, cols[(cols >= 0) & (cols < x.shape[1])]] = -math.inf
+        return
     cols = torch.cat([torch.as_tensor(ids, dtype=torch.long, device=x.device) for ids in banned])
     rows = torch.repeat_interleave(torch.arange(len(banned), device=x.device),
                                    torch.tensor(counts, device=x.device))

@@ -246,3 +246,21 @@ def test_suppressed_ids_are_never_chosen(llm):
     out = llm.generate(prompts[0], other)[0].token_ids
     assert greedy[0][0] not in out and out != greedy[0]
     assert set(out) & set(banned), "the other list's ids only are suppressed, not the shared one's"
+
+
+def test_stop_ids_are_banned_until_min_tokens(llm):
+    """Before min_tokens a request's stop (and EOS) ids join its suppressed ids, all from one
+    tensor made per params object; a list assigned anew to that object is honoured."""
+    prompts = [_ids(12, s) for s in range(2)]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = [o.token_ids for o in llm.generate(prompts, plain)]
+    stop, suppressed = greedy[0][1], greedy[1][0]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=6, stop_token_ids=[stop],
+                            suppress_token_ids=[suppressed])
+    for _ in range(2):                     # the second time from the cached tensor
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        for ids in outs:
+            assert stop not in ids[:6] and suppressed not in ids, ids
+    params.suppress_token_ids = [outs[0][0]]
+    out = llm.generate(prompts[0], params)[0].token_ids
+    assert outs[0][0] not in out and stop not in out[:6], out
