@@ -256,21 +256,58 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
 #endif
 
+/* The GEMM regime of the narrower formats: with DEQUANT_MIN_M rows or more, a thread widens
+ * (bf16) or dequantizes (i8, i8g, i4) a panel once into a float32 copy in its scratch and runs
+ * the float32 tiles over it, instead of converting the panel again in every tile of rows (at 32
+ * rows and 3-row tiles, 11 times), where the copy fits in L2 (DEQUANT_MAX_BYTES: a copy from
+ * L3 ran slower than converting the narrow panel from L2 again). The copy holds each weight exactly as a tile makes it in
+ * registers (w_W: the same expression, so the same rounding), the column scales (i8) stay
+ * applied after the sum: the same FMA chain per element, so the same bits as the register path
+ * that fewer rows take. */
+#define f32_DEQUANT 0
+#define bf16_DEQUANT 1
+#define i8_DEQUANT 1
+#define i8g_DEQUANT 1
+#define i4_DEQUANT 1
+#define DEQUANT_MIN_M 8
+#define DEQUANT_MAX_BYTES (256 << 10)   /* the copy stays in L2 beside the rows (K <= 1024) */
+#define DEQUANT(W) \
+static void dequant_##W(const W##_t *p, int64_t K, int64_t G, const float *gs, float *out) { \
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) { \
+        vf s[PANEL / LANES], o[PANEL / LANES]; \
+        for (int v = 0; v < PANEL / LANES; v++) { \
+            s[v] = gs != NULL ? load(gs + g * PANEL + v * LANES) : (vf){}; \
+            o[v] = -8.0f * s[v]; \
+        } \
+        const int64_t k1 = k0 + G < K ? k0 + G : K; \
+        for (int64_t k = k0; k < k1; k++) \
+            for (int v = 0; v < PANEL / LANES; v++) \
+                store(out + k * PANEL + v * LANES, w_##W(p + k * W##_ROW, v * LANES, s[v], o[v])); \
+    } \
+}
+
 /* x (M, K) rows at stride ldx; panels, group scales (i4, i8g: groups of `group` inputs) and column
  * scales (i8) as above, NULL where the format has none; bias (N) or NULL; y (M, N) rows at
  * stride ldy. Work items panel-major: a thread's consecutive items share a panel, which stays
- * in L2 while the tiles of x stream past it. The last, partial panel is computed whole into
- * scratch (its padding columns are zeros, its bias padded), then its real columns are kept:
- * the same arithmetic per element as a full panel. */
-#define LINEAR(W) TILES(W) \
+ * in L2 while the tiles of x stream past it (or its float32 copy, see DEQUANT). The last,
+ * partial panel is computed whole into scratch (its padding columns are zeros, its bias
+ * padded), then its real columns are kept: the same arithmetic per element as a full panel. */
+#define LINEAR(W) TILES(W) DEQUANT(W) \
 void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *gscales, \
                 int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy, \
                 int64_t m, int64_t n, int64_t k) { \
     const double bytes = (double)n * (double)k * (double)(W##_ROW * sizeof(W##_t)) / PANEL; \
-    const int mr = BLOCKS == 2 && (m <= 2 || (m <= WIDE_MAX_M && bytes >= WIDE_MIN_BYTES)) ? 2 : MR; \
+    const int deq = W##_DEQUANT && m >= DEQUANT_MIN_M && k > 0 \
+                    && k * PANEL * (int64_t)sizeof(float) <= DEQUANT_MAX_BYTES; \
+    const int mr = !deq && BLOCKS == 2 && (m <= 2 || (m <= WIDE_MAX_M && bytes >= WIDE_MIN_BYTES)) \
+                   ? 2 : MR; \
     const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + mr - 1) / mr; \
     const int64_t G = gscales != NULL ? group : (k > 0 ? k : 1), groups = (k + G - 1) / G; \
-    _Pragma("omp parallel for schedule(static)") \
+    _Pragma("omp parallel") \
+    { \
+    float *f = deq ? malloc((size_t)k * PANEL * sizeof(float)) : NULL;  /* NULL: registers */ \
+    int64_t have = -1;                                                   /* f's panel */ \
+    _Pragma("omp for schedule(static)") \
     for (int64_t item = 0; item < num_panels * tiles; item++) { \
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr; \
@@ -287,13 +324,22 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
         } \
         float *out = full ? y + m0 * ldy + n0 : scratch; \
         const int64_t ldo = full ? ldy : PANEL; \
-        WIDE(W, rows, xs, ldx, p, k, G, gs, cs, b, out, ldo) \
-        for (int cb = 0; cb < PANEL; cb += BLOCK) \
-            TILES_##W[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, ldo, cb); \
+        if (f != NULL) { \
+            if (j != have) { dequant_##W(p, k, G, gs, f); have = j; } \
+            WIDE(f32, rows, xs, ldx, f, k, k, NULL, cs, b, out, ldo) \
+            for (int cb = 0; cb < PANEL; cb += BLOCK) \
+                TILES_f32[rows](xs, ldx, f, k, k, NULL, cs, b, out + cb, ldo, cb); \
+        } else { \
+            WIDE(W, rows, xs, ldx, p, k, G, gs, cs, b, out, ldo) \
+            for (int cb = 0; cb < PANEL; cb += BLOCK) \
+                TILES_##W[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, ldo, cb); \
+        } \
         if (!full) \
             for (int r = 0; r < rows; r++) \
                 memcpy(y + (m0 + r) * ldy + n0, scratch + r * PANEL, \
                        (size_t)(n - n0) * sizeof(float)); \
+    } \
+    free(f); \
     } \
 }
 
@@ -302,6 +348,35 @@ LINEAR(bf16)
 LINEAR(i8)
 LINEAR(i4)
 LINEAR(i8g)
+
+/* ---- segments: rows grouped by weight (a mixture of experts) in one call --------------- */
+typedef void (*linear_fn)(const float *x, int64_t ldx, const void *panels, const float *gscales,
+                          int64_t group, const float *cscales, const float *bias, float *y,
+                          int64_t ldy, int64_t m, int64_t n, int64_t k);
+
+/* One weight of a segmented call: its linear_<format> entry and that call's arguments. */
+typedef struct {
+    linear_fn fn;
+    const void *panels;
+    const float *gscales;
+    int64_t group;
+    const float *cscales;
+    const float *bias;
+    int64_t n, k;                      /* out_features, in_features (the same for every weight) */
+} Segment;
+
+/* For e in [0, count): rows [off[e], off[e + 1]) of x (rows of k floats) times weight e into
+ * the same rows of y (rows of n floats). Why: a mixture-of-experts layer's products over rows
+ * grouped by expert, one call instead of one per expert from Python. Each segment is computed
+ * by its format's entry as a call of its own would, so the same bits. */
+void linear_segments(const Segment *w, const int64_t *off, int64_t count, const float *x, float *y) {
+    for (int64_t e = 0; e < count; e++) {
+        const int64_t m = off[e + 1] - off[e];
+        if (m > 0)
+            w[e].fn(x + off[e] * w[e].k, w[e].k, w[e].panels, w[e].gscales, w[e].group, w[e].cscales,
+                    w[e].bias, y + off[e] * w[e].n, w[e].n, m, w[e].n, w[e].k);
+    }
+}
 
 /* ---- i4k: int4 weights against int8 activations, integer dot products ------------------- *
  * For K and the group both multiples of 32 (every real model's layers), int4 weights are laid

@@ -52,12 +52,19 @@ class NativeLinearKernel:
             flags = ("-mno-avx512f",) if platform.machine().lower() in _X86 else ()
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.segmented = lib.linear_segments
+        self.segmented.argtypes = [ctypes.POINTER(_Segment), p, i64, p, p]
+        self.segmented.restype = None
         self._fns = {}
         for fmt, name in _SYMBOLS.items():
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64]
             fn.restype = None
             self._fns[fmt] = fn
+
+    def segments(self, weights: list[PackedWeight], biases: list[torch.Tensor | None]) -> LinearSegments:
+        """The weights bound for segmented calls (LinearSegments)."""
+        return LinearSegments(self, weights, biases)
 
     def address(self, fmt: str) -> int:
         """The C entry point for weights in format `fmt`, for native callers (decoder_stack.c)."""
@@ -83,6 +90,52 @@ class NativeLinearKernel:
             self._fns[w.format](x.data_ptr(), k, w.panels.data_ptr(), pointer(w.group_scales),
                                 w.group_size, pointer(w.column_scales), pointer(bias), y.data_ptr(),
                                 n, m, n, k)
+        return y
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("panels", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
+                ("group", ctypes.c_int64), ("cscales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class LinearSegments:
+    """Weights of one shape bound once (pointers; the tensors kept alive), so that one native
+    call runs consecutive segments of rows each through its own weight (linear_segments): a
+    mixture of experts' products over rows grouped by expert, with the bits of one call per
+    expert."""
+
+    def __init__(self, kernel: NativeLinearKernel, weights: list[PackedWeight],
+                 biases: list[torch.Tensor | None]):
+        shapes = {(w.in_features, w.out_features) for w in weights}
+        if len(shapes) != 1 or len(biases) != len(weights):
+            raise ValueError(f"linear segments need weights of one shape and a bias (or None) each; "
+                             f"got shapes {sorted(shapes)}, {len(weights)} weights, {len(biases)} biases")
+        self.in_features, self.out_features = shapes.pop()
+        self._kernel, self._refs = kernel, (list(weights), list(biases))
+        self._array = (_Segment * len(weights))(*(
+            _Segment(kernel.address(w.format), w.panels.data_ptr(), pointer(w.group_scales), w.group_size,
+                     pointer(w.column_scales), pointer(b), w.out_features, w.in_features)
+            for w, b in zip(weights, biases)))
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (R, in) float32 contiguous, its rows in segments of counts[e] rows (sum R) ->
+        (R, out), segment e through weight e."""
+        if (x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32
+                or not x.is_contiguous() or len(counts) != len(self) or sum(counts) != x.shape[0]
+                or min(counts, default=0) < 0):
+            raise ValueError(f"linear segments: input {tuple(x.shape)} {x.dtype} for {len(self)} weights "
+                             f"({self.in_features} -> {self.out_features}), counts {counts}")
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        off = (ctypes.c_int64 * len(offsets))(*offsets)
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0]:
+            self._kernel.segmented(self._array, off, len(self), x.data_ptr(), y.data_ptr())
         return y
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.linear import LinearSegments
 from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.mlp import SwiGLU
 
@@ -46,6 +47,38 @@ class MoeMLP(nn.Module):
                               if s.shared_expert_size else None)
         self.shared_expert_gate = (TransposedLinear(s.hidden_size, [1], bias=False, dtype=dtype)
                                    if s.shared_expert_size else None)
+        # (the experts' panels' identities, gate|up segments, down segments): _native_experts
+        self._segments: tuple[tuple[int, ...], LinearSegments, LinearSegments] | None = None
+
+    def _experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert's SwiGLU over its contiguous slice of `grouped` (counts[e] rows, experts
+        in order) -> (rows, H). With the native kernel, each product is one segmented call for
+        all experts (SwiGLU.forward's ops otherwise: the same bits)."""
+        native = self._native_experts()
+        if native is not None:
+            gate_up, down = native
+            gate, up = gate_up(grouped, counts).chunk(2, dim=-1)
+            return down(F.silu(gate).mul_(up), counts)
+        outs, start = [], 0
+        for e, n in enumerate(counts):          # each active expert on its contiguous slice
+            if n:
+                outs.append(self.experts[e](grouped[start:start + n]))
+                start += n
+        return torch.cat(outs)
+
+    def _native_experts(self) -> tuple[LinearSegments, LinearSegments] | None:
+        """The experts' gate|up and down products bound as segmented native calls, where every
+        one is on the native kernel (bound at first use, again when a weight was packed anew).
+        Why: 8 experts cost 16 kernel calls and 24 small ops from Python per layer and step."""
+        layers = [(e.gate_up, e.down) for e in self.experts]
+        if any(m.native is None for pair in layers for m in pair):
+            return None
+        key = tuple(id(m.panels) for pair in layers for m in pair)
+        if self._segments is None or self._segments[0] != key:
+            kernel = layers[0][0].native
+            self._segments = (key, kernel.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
+                              kernel.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
+        return self._segments[1], self._segments[2]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (weights (T, k) in x's dtype, expert ids (T, k)), as the reference
@@ -66,12 +99,7 @@ class MoeMLP(nn.Module):
         order = torch.argsort(flat, stable=True)                          # grouped by expert
         counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
         grouped = x[order // k]                                           # (T * k, H): one gather
-        outs, start = [], 0
-        for e, n in enumerate(counts):          # each active expert on its contiguous slice
-            if n:
-                outs.append(self.experts[e](grouped[start:start + n]))
-                start += n
-        contrib = torch.cat(outs) * weights.flatten()[order].unsqueeze(1)  # (T * k, H) grouped
+        contrib = self._experts(grouped, counts) * weights.flatten()[order].unsqueeze(1)  # grouped
         # Back to (T, k) slots, each row's slots in ascending expert order, summed from zero in
         # that order: the same additions as adding each expert's batch into its rows in turn,
         # in k vectorized adds (index_add_ on CPU dispatches one add per row: ~20% of a prefill).

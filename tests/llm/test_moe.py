@@ -43,8 +43,11 @@ def _reference(moe: MoeMLP, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shared", [0, 48])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("native", [False, True])
-def test_moe_equals_its_definition(shared, top_k, native, c_compiler):
-    shape = MoeShape(hidden_size=64, moe_intermediate_size=32, num_experts=6, top_k=top_k,
+@pytest.mark.parametrize("inter", [32, 20])     # 20: rows of SiLU not whole vectors
+def test_moe_equals_its_definition(shared, top_k, native, inter, c_compiler):
+    """With the native kernel the experts' products are segmented calls (one per product for
+    all experts) and the SiLU runs over all rows at once: the bits of one call per expert."""
+    shape = MoeShape(hidden_size=64, moe_intermediate_size=inter, num_experts=6, top_k=top_k,
                      norm_topk_prob=True, shared_expert_size=shared)
     moe = _moe(shape, seed=top_k + shared)
     if native:
@@ -58,3 +61,27 @@ def test_moe_equals_its_definition(shared, top_k, native, c_compiler):
         got, want = moe(x), _reference(moe, x)
         assert torch.equal(got, want), (rows, (got - want).abs().max())
     assert moe(torch.empty(0, 64)).shape == (0, 64)
+
+
+def test_linear_segments_equal_one_call_per_weight(c_compiler):
+    """kernels.linear.LinearSegments: each segment of rows through its own weight (formats may
+    differ), the bits of a call per weight; empty segments; shapes checked."""
+    from omnistage.kernels.linear import NativeLinearKernel
+    from omnistage.kernels.weight_pack import WeightFormat
+
+    kernel = NativeLinearKernel()
+    g = torch.Generator().manual_seed(3)
+    fmts = [WeightFormat("float32"), WeightFormat("int8"), WeightFormat("float32"), WeightFormat("int4", 8)]
+    weights = [kernel.pack(torch.randn(40, 72, generator=g), f) for f in fmts]
+    biases = [torch.randn(72, generator=g), None, None, torch.randn(72, generator=g)]
+    seg = kernel.segments(weights, biases)
+    counts = [3, 0, 9, 1]
+    x = torch.randn(sum(counts), 40, generator=g)
+    got, start = seg(x, counts), 0
+    for w, b, n in zip(weights, biases, counts):
+        assert torch.equal(got[start:start + n], kernel(x[start:start + n], w, b))
+        start += n
+    with pytest.raises(ValueError, match="counts"):
+        seg(x, [3, 0, 9])
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.segments([weights[0], kernel.pack(torch.randn(40, 8))], [None, None])
