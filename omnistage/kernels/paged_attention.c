@@ -8,7 +8,7 @@
  *
  * - paged_decode_f32: one query token per sequence (G query heads per KV head) against its
  *   whole context. Scores for 16 keys at a time: 16 dot products, then one transpose-add
- *   tree turns them into a 16-lane vector.
+ *   tree turns them into a 16-lane vector (with 256-bit vectors: two trees of 8, SCORES_8).
  * - paged_prefill_f32: chunks of query tokens, each token seeing the keys up to its own
  *   position (a prefix already cached plus the chunk itself, causally). Tiles of 16 query
  *   tokens x G heads; per 16-key span, K is transposed once into a small buffer so each
@@ -77,6 +77,37 @@ static inline vf sum_lanes16(const vf a[16]) {
          + __builtin_shufflevector(d[0], d[1], 1,3,5,7,9,11,13,15,17,19,21,23,25,27,29,31);
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* Where vectors are 256 bits, the 16-key scores as two halves of 8 keys: 16 accumulators of
+ * 16 lanes (and the 16-lane queries) are 64 of AVX2's 16 registers, and half of the decode's
+ * instructions were spills (measured: 80 us for one sequence of 150 keys, 8 heads). Here 8
+ * accumulators of 8 lanes, the query read from L1, and an hadd tree: the same products, summed
+ * in another order than the 16-lane tree. */
+#define SCORES_8 1
+#include <immintrin.h>
+static inline __m256 load8_kv(const kv_t *p) {
+#ifdef KV_BF16
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+
+/* Lane t: the dot product of q (HEAD_DIM) with the key at k + t * HEAD_DIM, t < 8. */
+static inline __m256 dots8(const float *restrict q, const kv_t *restrict k) {
+    __m256 a[8];
+    for (int t = 0; t < 8; t++) a[t] = _mm256_loadu_ps(q) * load8_kv(k + t * HEAD_DIM);
+    for (int c = 8; c < HEAD_DIM; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + c);
+        for (int t = 0; t < 8; t++) a[t] += qc * load8_kv(k + t * HEAD_DIM + c);
+    }
+    /* u: sums of quarters 0-3 of a[0..3] (low half) and of 4-7 (high half); v: a[4..7] */
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_permute2f128_ps(u, v, 0x20) + _mm256_permute2f128_ps(u, v, 0x31);
+}
+#endif
+
 /* One (sequence, KV head): GROUP queries over `len` keys. `s` holds GROUP * padded scores. */
 static void attend(const float *restrict q, const kv_t *restrict k_plane,
                    const kv_t *restrict v_plane, const int64_t *restrict table, int64_t len,
@@ -88,11 +119,22 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
         for (int c = 0; c < CHUNKS; c++) qv[g][c] = load(q + g * HEAD_DIM + c * LANES) * scale;
         row_max[g] = splat(-INFINITY);
     }
+#ifdef SCORES_8
+    float qs[GROUP][HEAD_DIM];                        /* the scaled queries, read from L1 */
+    for (int g = 0; g < GROUP; g++)
+        for (int c = 0; c < CHUNKS; c++) store(qs[g] + c * LANES, qv[g][c]);
+#endif
     /* Scores: span i covers keys 16i .. 16i+15 of block table[16i / BLOCK]. */
     for (int64_t i = 0; i < spans; i++) {
         const int64_t key0 = i * LANES;
         const kv_t *kb = k_plane + (table[key0 / BLOCK] * BLOCK + key0 % BLOCK) * HEAD_DIM;
         for (int g = 0; g < GROUP; g++) {
+#ifdef SCORES_8
+            vf_halves halves;
+            halves.h[0] = dots8(qs[g], kb);
+            halves.h[1] = dots8(qs[g], kb + 8 * HEAD_DIM);
+            vf sc = halves.v;
+#else
             vf acc[LANES];
             for (int t = 0; t < LANES; t++) {
                 vf a = qv[g][0] * load_kv(kb + t * HEAD_DIM);
@@ -100,6 +142,7 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
                 acc[t] = a;
             }
             vf sc = sum_lanes16(acc);
+#endif
             if (key0 + LANES > len)                   /* keys past the context: weight 0 */
                 for (int t = (int)(len - key0); t < LANES; t++) sc[t] = -INFINITY;
             row_max[g] = vmax(row_max[g], sc);
@@ -118,6 +161,20 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
         }
         inv_sum[g] = 1.0f / sum_lanes(total);
     }
+#ifdef SCORES_8
+    /* One 16-value chunk of the heads' outputs at a time (GROUP accumulators; all CHUNKS of
+     * them spilled on AVX2): the keys walked CHUNKS times, each output summed over them in the
+     * same order, so the same bits. */
+    for (int c = 0; c < CHUNKS; c++) {
+        vf o[GROUP];
+        for (int g = 0; g < GROUP; g++) o[g] = (vf){};
+        for (int64_t t = 0; t < len; t++) {
+            const vf v = load_kv(v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM + c * LANES);
+            for (int g = 0; g < GROUP; g++) o[g] += splat(s[g * padded + t]) * v;
+        }
+        for (int g = 0; g < GROUP; g++) store(out + g * HEAD_DIM + c * LANES, o[g] * inv_sum[g]);
+    }
+#else
     vf o[GROUP][CHUNKS];
     for (int g = 0; g < GROUP; g++)
         for (int c = 0; c < CHUNKS; c++) o[g][c] = (vf){};
@@ -132,6 +189,7 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
     }
     for (int g = 0; g < GROUP; g++)
         for (int c = 0; c < CHUNKS; c++) store(out + g * HEAD_DIM + c * LANES, o[g][c] * inv_sum[g]);
+#endif
 }
 
 /* Decodes: sequence b's query is row b of q, its context lens[b] keys (>= 1) in the blocks of
