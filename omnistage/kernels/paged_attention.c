@@ -302,12 +302,21 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
                 p[g] = vexp(sc - w->m[j]);
                 w->l[j] += p[g];
             }
+#ifdef SCORES_8
+            /* One chunk of the heads' sums at a time (see the decode's): the same order. */
+            for (int c = 0; c < CHUNKS; c++)
+                for (int t = 0; t < valid; t++) {
+                    const vf v = load_kv(vb + t * HEAD_DIM + c * LANES);
+                    for (int g = 0; g < GROUP; g++) o[g][c] += p[g][t] * v;
+                }
+#else
             for (int t = 0; t < valid; t++) {
                 vf v[CHUNKS];
                 for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * LANES);
                 for (int g = 0; g < GROUP; g++)
                     for (int c = 0; c < CHUNKS; c++) o[g][c] += p[g][t] * v[c];
             }
+#endif
             for (int g = 0; g < GROUP; g++)
                 for (int c = 0; c < CHUNKS; c++) store(w->o[j0 + g] + c * LANES, o[g][c]);
         }
