@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library
+from omnistage.kernels.linear import pointer
 
 SOURCE = Path(__file__).with_name("code2wav_unit.c")
 CHANNEL_MULTIPLE = 16          # the kernel's register tiles take 16 channels at a time
@@ -60,13 +61,9 @@ class Code2WavUnitKernel:
             return y
         b, length, c = x.shape
         rc = self._fn(x.data_ptr(), y.data_ptr(), b, length, c, x.stride(0), x.stride(1),
-                      w.conv1.data_ptr(), _ptr(w.bias1), w.conv1.shape[0], w.dilation,
-                      w.conv2.data_ptr(), _ptr(w.bias2), w.snake1[0].data_ptr(), w.snake1[1].data_ptr(),
+                      w.conv1.data_ptr(), pointer(w.bias1), w.conv1.shape[0], w.dilation,
+                      w.conv2.data_ptr(), pointer(w.bias2), w.snake1[0].data_ptr(), w.snake1[1].data_ptr(),
                       w.snake2[0].data_ptr(), w.snake2[1].data_ptr())
         if rc != 0:
             raise MemoryError("code2wav unit kernel: no memory for its scratch")
         return y
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()

@@ -23,11 +23,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear_call.h"
 #include "vec16.h"
 
-typedef void (*linear_fn)(const float *x, int64_t ldx, const void *panels, const float *gscales,
-                          int64_t group, const float *cscales, const float *bias, float *y,
-                          int64_t ldy, int64_t m, int64_t n, int64_t k);
 typedef void (*rope_write_fn)(float *qkv, int64_t ld, const float *cos, const float *sin,
                               int64_t cs_stride, const int64_t *slots, void *kv, int64_t tokens,
                               int64_t kv_heads, int64_t num_blocks);
@@ -38,17 +36,6 @@ typedef int (*prefill_fn)(const float *q, int64_t q_stride, const void *kv, cons
                           const int64_t *q_starts, const int64_t *q_lens, const int64_t *ctx_lens,
                           float *out, int64_t chunks, int64_t kv_heads, int64_t num_blocks,
                           int64_t width, float scale);
-
-/* One packed weight (linear.c's arguments after x). */
-typedef struct {
-    linear_fn fn;
-    const void *panels;
-    const float *gscales;
-    int64_t group;
-    const float *cscales;
-    const float *bias;
-    int64_t n, k;                      /* out_features, in_features */
-} Linear;
 
 typedef struct {
     const float *norm1, *norm2;        /* input / post-attention RMSNorm weights (hidden) */
@@ -138,10 +125,6 @@ static void head_norms(float *qkv, int64_t ld, int64_t rows, int64_t heads, int6
 static void add_rows(float *h, const float *a, int64_t count) {
     #pragma omp parallel for schedule(static) if (count > PARALLEL_ELEMENTS)
     for (int64_t i = 0; i < count; i++) h[i] += a[i];
-}
-
-static void product(const Linear *w, const float *x, float *y, int64_t rows) {
-    w->fn(x, w->k, w->panels, w->gscales, w->group, w->cscales, w->bias, y, w->n, rows, w->n, w->k);
 }
 
 /* Rows out_rows[i] of x (row length n) move to row i; out_rows ascending, so a row never

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library
-from omnistage.kernels.linear import NativeLinearKernel, pointer
+from omnistage.kernels.linear import LinearCall, NativeLinearKernel, pointer
 from omnistage.kernels.paged_attention import PagedAttentionKernel
 from omnistage.kernels.weight_pack import PackedWeight
 
@@ -19,15 +19,10 @@ SOURCE = Path(__file__).with_name("decoder_stack.c")
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("fn", _p), ("panels", _p), ("gscales", _p), ("group", _i64), ("cscales", _p),
-                ("bias", _p), ("n", _i64), ("k", _i64)]
-
-
 class _Layer(ctypes.Structure):
     _fields_ = [("norm1", _p), ("norm2", _p), ("q_norm", _p), ("k_norm", _p), ("kv", _p),
-                ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear)]
+                ("qkv", LinearCall), ("o", LinearCall),
+                ("gate_up", LinearCall), ("down", LinearCall)]
 
 
 class _Stack(ctypes.Structure):
@@ -121,13 +116,9 @@ class NativeDecoderStack:
 
     @staticmethod
     def _layer(linear: NativeLinearKernel, x: DenseLayer) -> _Layer:
-        def product(p: Product) -> _Linear:
-            w = p.weight
-            return _Linear(linear.address(w.format), w.panels.data_ptr(), pointer(w.group_scales),
-                           w.group_size, pointer(w.column_scales), pointer(p.bias), w.out_features,
-                           w.in_features)
+        calls = [linear.bind(p.weight, p.bias) for p in (x.qkv, x.o, x.gate_up, x.down)]
         return _Layer(x.norm1.data_ptr(), x.norm2.data_ptr(), pointer(x.q_norm), pointer(x.k_norm),
-                      x.kv.data_ptr(), product(x.qkv), product(x.o), product(x.gate_up), product(x.down))
+                      x.kv.data_ptr(), *calls)
 
     @staticmethod
     def _check(x: DenseLayer, heads: int, kv_heads: int, head_dim: int,

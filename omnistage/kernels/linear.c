@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "linear_call.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -350,32 +352,15 @@ LINEAR(i4)
 LINEAR(i8g)
 
 /* ---- segments: rows grouped by weight (a mixture of experts) in one call --------------- */
-typedef void (*linear_fn)(const float *x, int64_t ldx, const void *panels, const float *gscales,
-                          int64_t group, const float *cscales, const float *bias, float *y,
-                          int64_t ldy, int64_t m, int64_t n, int64_t k);
-
-/* One weight of a segmented call: its linear_<format> entry and that call's arguments. */
-typedef struct {
-    linear_fn fn;
-    const void *panels;
-    const float *gscales;
-    int64_t group;
-    const float *cscales;
-    const float *bias;
-    int64_t n, k;                      /* out_features, in_features (the same for every weight) */
-} Segment;
-
 /* For e in [0, count): rows [off[e], off[e + 1]) of x (rows of k floats) times weight e into
- * the same rows of y (rows of n floats). Why: a mixture-of-experts layer's products over rows
- * grouped by expert, one call instead of one per expert from Python. Each segment is computed
- * by its format's entry as a call of its own would, so the same bits. */
-void linear_segments(const Segment *w, const int64_t *off, int64_t count, const float *x, float *y) {
-    for (int64_t e = 0; e < count; e++) {
-        const int64_t m = off[e + 1] - off[e];
-        if (m > 0)
-            w[e].fn(x + off[e] * w[e].k, w[e].k, w[e].panels, w[e].gscales, w[e].group, w[e].cscales,
-                    w[e].bias, y + off[e] * w[e].n, w[e].n, m, w[e].n, w[e].k);
-    }
+ * the same rows of y (rows of n floats); every weight has the same n and k. Why: a
+ * mixture-of-experts layer's products over rows grouped by expert, one call instead of one per
+ * expert from Python. Each segment is computed by its format's entry as a call of its own
+ * would, so the same bits. */
+void linear_segments(const Linear *w, const int64_t *off, int64_t count, const float *x, float *y) {
+    for (int64_t e = 0; e < count; e++)
+        if (off[e + 1] > off[e])
+            product(&w[e], x + off[e] * w[e].k, y + off[e] * w[e].n, off[e + 1] - off[e]);
 }
 
 /* ---- i4k: int4 weights against int8 activations, integer dot products ------------------- *

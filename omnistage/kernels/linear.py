@@ -53,7 +53,7 @@ class NativeLinearKernel:
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.segmented = lib.linear_segments
-        self.segmented.argtypes = [ctypes.POINTER(_Segment), p, i64, p, p]
+        self.segmented.argtypes = [ctypes.POINTER(LinearCall), p, i64, p, p]
         self.segmented.restype = None
         self._fns = {}
         for fmt, name in _SYMBOLS.items():
@@ -69,6 +69,12 @@ class NativeLinearKernel:
     def address(self, fmt: str) -> int:
         """The C entry point for weights in format `fmt`, for native callers (decoder_stack.c)."""
         return ctypes.cast(self._fns[fmt], ctypes.c_void_p).value
+
+    def bind(self, w: PackedWeight, bias: torch.Tensor | None) -> LinearCall:
+        """`w` (and its bias) for calls from C; the caller keeps both alive."""
+        return LinearCall(self.address(w.format), w.panels.data_ptr(), pointer(w.group_scales),
+                          w.group_size, pointer(w.column_scales), pointer(bias), w.out_features,
+                          w.in_features)
 
     @staticmethod
     def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWeight:
@@ -93,7 +99,9 @@ class NativeLinearKernel:
         return y
 
 
-class _Segment(ctypes.Structure):
+class LinearCall(ctypes.Structure):
+    """A packed weight bound for calls from C (linear_call.h's Linear): its format's entry and
+    that entry's arguments after x. Holds pointers only: the tensors must outlive it."""
     _fields_ = [("fn", ctypes.c_void_p), ("panels", ctypes.c_void_p), ("gscales", ctypes.c_void_p),
                 ("group", ctypes.c_int64), ("cscales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
@@ -113,10 +121,7 @@ class LinearSegments:
                              f"got shapes {sorted(shapes)}, {len(weights)} weights, {len(biases)} biases")
         self.in_features, self.out_features = shapes.pop()
         self._kernel, self._refs = kernel, (list(weights), list(biases))
-        self._array = (_Segment * len(weights))(*(
-            _Segment(kernel.address(w.format), w.panels.data_ptr(), pointer(w.group_scales), w.group_size,
-                     pointer(w.column_scales), pointer(b), w.out_features, w.in_features)
-            for w, b in zip(weights, biases)))
+        self._array = (LinearCall * len(weights))(*(kernel.bind(w, b) for w, b in zip(weights, biases)))
 
     def __len__(self) -> int:
         return len(self._array)

@@ -18,8 +18,9 @@
 /* n values at x -> y (both unit stride) with per-value parameters f[i], m[i] (f_step 1) or one
  * pair for all (f_step 0); exact: out-of-range lanes through libm. -> whether the fast path
  * met such a lane (then nothing it wrote may be kept). */
-static inline __attribute__((always_inline)) int snake_span(const float *x, float *y, const float *f, const float *m, int64_t n,
-                      int64_t f_step, int exact) {
+static inline __attribute__((always_inline)) int snake_span(const float *x, float *y, const float *f,
+                                                           const float *m, int64_t n, int64_t f_step,
+                                                           int exact) {
     vi bad = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {

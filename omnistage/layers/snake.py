@@ -4,15 +4,11 @@ beta stored as logs (the checkpoints' `alpha` / `beta`)."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from omnistage.kernels.build import NativeBuildError
 from omnistage.kernels.snake import SnakeKernel
-
-log = logging.getLogger(__name__)
+from omnistage.layers.native_kernel import attach_kernel
 
 
 class SnakeBeta(nn.Module):
@@ -64,14 +60,4 @@ def use_native_snake(model: nn.Module) -> int:
     """Run every SnakeBeta of `model` through the native one-pass kernel where it builds (2-3x
     faster on a vocoder's 24 kHz activations; float32 CPU inputs only, others keep the torch
     path; values within 1e-6 of it). -> how many activations took it (0: it did not build)."""
-    acts = [m for m in model.modules() if isinstance(m, SnakeBeta)]
-    if not acts:
-        return 0
-    try:
-        kernel = SnakeKernel()
-    except NativeBuildError as e:
-        log.info("SnakeBeta stays on torch ops: %s", e)
-        return 0
-    for m in acts:
-        m.kernel = kernel
-    return len(acts)
+    return attach_kernel(model, SnakeBeta, SnakeKernel, "SnakeBeta activations")

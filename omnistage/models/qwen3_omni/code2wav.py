@@ -29,7 +29,6 @@ cover the attention's reach (num_hidden_layers * (sliding_window - 1) frames).
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol, Sequence
@@ -40,15 +39,13 @@ from torch import nn
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 
 from omnistage.errors import InvalidRequestError
-from omnistage.kernels.build import NativeBuildError
 from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
 from omnistage.layers import time_major
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "code2wav."
 # Tensors a checkpoint may carry that are derived from the config, never read.
@@ -265,17 +262,7 @@ def use_native_units(model: nn.Module) -> int:
     """Run every ResidualUnit of `model` as one native pass where the kernel builds (float32
     CPU activations with channels a multiple of 16; others keep the torch ops; values within
     float rounding of them). -> how many units took it (0: it did not build)."""
-    units = [m for m in model.modules() if isinstance(m, ResidualUnit)]
-    if not units:
-        return 0
-    try:
-        kernel = Code2WavUnitKernel()
-    except NativeBuildError as e:
-        log.info("code2wav's residual units stay on torch ops: %s", e)
-        return 0
-    for m in units:
-        m.kernel = kernel
-    return len(units)
+    return attach_kernel(model, ResidualUnit, Code2WavUnitKernel, "code2wav's residual units")
 
 
 class DecoderBlock(nn.Module):
