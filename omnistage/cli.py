@@ -202,7 +202,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "stay float32): bf16 (half the bytes, rounding error ~0.4%% per weight), "
                         "int8 (a quarter; one scale per output channel), int4 (an eighth; one "
                         "scale per --quantization-group-size inputs). Quantized once at load from "
-                        "the checkpoint. Default: none (float32)")
+                        "the checkpoint. Default: none (nothing rounded: float32, or bfloat16 for "
+                        "a bf16 checkpoint's weights, exactly)")
     g.add_argument("--quantization-group-size", type=int, default=64,
                    help="inputs sharing one int4 scale (default: 64; smaller: more accurate, "
                         "more scale bytes)")

@@ -65,7 +65,6 @@
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
 typedef int8_t vb __attribute__((vector_size(LANES)));
 typedef uint8_t vub __attribute__((vector_size(LANES)));
 
@@ -93,6 +92,11 @@ typedef uint16_t bf16_t;
 typedef int8_t i8_t;
 typedef uint8_t i4_t;
 typedef int8_t i8g_t;
+#define f32_HALVES 0               /* TILE runs half a tile at a time (FMA01) */
+#define bf16_HALVES 1
+#define i8_HALVES 0
+#define i8g_HALVES 0
+#define i4_HALVES 0
 #define f32_ROW PANEL              /* elements per panel row */
 #define bf16_ROW PANEL
 #define i8_ROW PANEL
@@ -101,11 +105,23 @@ typedef int8_t i8g_t;
 static inline vf w_f32(const f32_t *row, int c, vf s, vf o) {
     (void)s; (void)o; return load(row + c);
 }
+/* bf16 panel rows pair their columns (weight_pack.py): the 32-bit word i of each group of 16
+ * columns holds column i in its low half and column 8 + i in its high half. bf16 is float32's
+ * upper half, so one 32-byte load widens exactly to both 8-column vectors with one shift and
+ * one mask; in column order, a row took a widening load and a shift per 8 weights, and the
+ * single-row tile ran 1.5x slower on float32's cached weights than float32 itself (dispatch
+ * bound: 33 instructions per 64 weights against float32's 9). c: a multiple of LANES. */
+typedef uint32_t vu8 __attribute__((vector_size(8 * sizeof(uint32_t))));
 static inline vf w_bf16(const bf16_t *row, int c, vf s, vf o) {
     (void)s; (void)o;
-    vh h; memcpy(&h, row + c, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;      /* bf16 is float32's upper half */
-    vf f; memcpy(&f, &u, sizeof f); return f;
+    vu8 u; memcpy(&u, row + (c & ~15), sizeof u);
+    const vu8 lo = u << 16, hi = u & 0xffff0000u;     /* columns +0..7, +8..15 of the group */
+#if LANES == 8
+    vf f; memcpy(&f, (c & 8) ? &hi : &lo, sizeof f); return f;
+#else
+    const vu w = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf f; memcpy(&f, &w, sizeof f); return f;
+#endif
 }
 /* 8-bit lanes widened to int32: GCC 12 converts byte vectors lane by lane (int8 at 16 lanes,
  * uint8 at 8; 4x slower than the weights stream), so x86 says the one instruction it means. */
@@ -150,6 +166,12 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
 #define DECL(m) vf c##m##0 = {}, c##m##1 = {}, c##m##2 = {}, c##m##3 = {};
 #define FMA(m) { const vf a = bcast(x + (m) * ldx + k); \
     c##m##0 += a * b0; c##m##1 += a * b1; c##m##2 += a * b2; c##m##3 += a * b3; }
+/* The same FMAs a half tile at a time (two column vectors, x broadcast again for the other
+ * half): for bf16, whose mask constant would be the 17th vector register of the 3-row AVX2
+ * tile (an accumulator spilled, its FMA chain through the stack: 0.7x float32's speed). Each
+ * accumulator still takes one FMA per k, in order: the same bits. */
+#define FMA01(m) { const vf a = bcast(x + (m) * ldx + k); c##m##0 += a * b0; c##m##1 += a * b1; }
+#define FMA23(m) { const vf a = bcast(x + (m) * ldx + k); c##m##2 += a * b2; c##m##3 += a * b3; }
 #define PUT(m) store(y + (m) * ldy, c##m##0 * e0 + d0); \
     store(y + (m) * ldy + LANES, c##m##1 * e1 + d1); \
     store(y + (m) * ldy + 2 * LANES, c##m##2 * e2 + d2); \
@@ -164,6 +186,7 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
 static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
                         int64_t K, int64_t G, const float *restrict gs, const float *restrict cs, \
                         const float *restrict bias, float *restrict y, int64_t ldy, int cb) { \
+    if (cb % 16 != 0) __builtin_unreachable();  /* w_bf16 picks its half at compile time */ \
     REP##R(DECL) \
     for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) { \
         vf s0 = {}, s1 = {}, s2 = {}, s3 = {}, o0 = {}, o1 = {}, o2 = {}, o3 = {}; \
@@ -175,10 +198,19 @@ static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
             if (PF) __builtin_prefetch((const char *)row + PREFETCH_BYTES); \
             if (PF && W##_ROW * sizeof(W##_t) > 128) \
                 __builtin_prefetch((const char *)row + PREFETCH_BYTES + 128); \
-            const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1), \
-                     b2 = w_##W(row, cb + 2 * LANES, s2, o2), \
-                     b3 = w_##W(row, cb + 3 * LANES, s3, o3); \
-            REP##R(FMA) \
+            if (W##_HALVES) { \
+                const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1); \
+                REP##R(FMA01) \
+                __asm__ volatile("" ::: "memory");  /* x loaded again, not kept in registers */ \
+                const vf b2 = w_##W(row, cb + 2 * LANES, s2, o2), \
+                         b3 = w_##W(row, cb + 3 * LANES, s3, o3); \
+                REP##R(FMA23) \
+            } else { \
+                const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1), \
+                         b2 = w_##W(row, cb + 2 * LANES, s2, o2), \
+                         b3 = w_##W(row, cb + 3 * LANES, s3, o3); \
+                REP##R(FMA) \
+            } \
         } \
     } \
     vf d0 = {}, d1 = {}, d2 = {}, d3 = {}, e0 = {}, e1 = {}, e2 = {}, e3 = {}; \
@@ -477,7 +509,7 @@ static void panel_i4k(const int8_t *restrict q, const float *restrict s,
  * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the
  * float sums, touched once a block, live in L1. The same integers (exact) and the same FMAs in
  * the same order as panel_i4k, so the same bits. */
-#define I4K_AVX2 1
+#define PANEL_I4K panel_i4k_avx2
 #define I4K_H(h) { const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * (h))); \
     const __m256i pr = _mm256_add_epi16( /* each <= 2 * 15 * 127: the int16 sum is exact */ \
         _mm256_maddubs_epi16(_mm256_and_si256(u, mask), xl), \
@@ -516,7 +548,7 @@ static void panel_i4k_avx2(const int8_t *restrict q, const float *restrict s,
     memcpy(out, y, sizeof y);
 }
 #else
-#define I4K_AVX2 0
+#define PANEL_I4K panel_i4k
 #endif
 
 #define I4K_ROWS 8                   /* rows per work item (one panel stays in cache) */
@@ -544,7 +576,7 @@ void linear_i4k(const float *x, int64_t ldx, const uint8_t *panels, const float 
             const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
             for (int64_t r = r0; r < r1; r++) {
                 float out[PANEL];
-                (I4K_AVX2 ? panel_i4k_avx2 : panel_i4k)(q + r * k, s + r * nb, sums + r * nb, k, group,
+                PANEL_I4K(q + r * k, s + r * nb, sums + r * nb, k, group,
                                                          panels + j * (k / 2) * PANEL,
                                                          gscales + j * groups * PANEL, out);
                 for (int64_t c = 0; c < cols; c++)

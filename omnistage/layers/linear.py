@@ -17,7 +17,8 @@ from omnistage.config import WEIGHT_FORMATS, EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.linear import (NativeLinearKernel, native_linear_kernel,
                                       unsupported_reason as native_linear_unsupported)
-from omnistage.kernels.weight_pack import PackedWeight, QuantizedCodes, WeightFormat, pack_codes
+from omnistage.kernels.weight_pack import (PackedWeight, QuantizedCodes, WeightFormat, exact_format,
+                                           pack_codes)
 from omnistage.layers.onednn import pack_weight, packed_linear
 
 
@@ -112,7 +113,7 @@ class TransposedLinear(nn.Module):
                 self.weight_t[:, off:off + self.shard_sizes[shard]].copy_(part.dequantize().t())
             if kernel is not None:
                 assert self.bias is None or self.bias.is_contiguous()
-                fmt = fmt.for_output_head() if self.output_head else fmt
+                fmt = exact_format(self.weight_t, fmt.for_output_head() if self.output_head else fmt)
                 self.native, self.panels = kernel, kernel.pack(self.weight_t, fmt)
             else:
                 self.packed = pack_weight(self.weight_t.t())          # (out, in)
@@ -155,7 +156,8 @@ class NativeLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
-        self.panels = kernel.pack(linear.weight.detach().t(), fmt)
+        w_t = linear.weight.detach().t()
+        self.panels = kernel.pack(w_t, exact_format(w_t, fmt))
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # Models read `.weight.dtype` / `.device` of their layers: an empty stand-in answers
         # those; anything that needs the values fails loudly.
@@ -206,18 +208,21 @@ def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.
     return True
 
 
-def pack_while_loading(model: nn.Module, config: EngineConfig, pre_quantized: bool = False) -> None:
+def pack_while_loading(model: nn.Module, config: EngineConfig) -> None:
     """Before `model` (its parameters materialised, not yet filled) loads its checkpoint:
-    with a `quantization` other than none, or weights that come pre-quantized, each
-    TransposedLinear packs into the native format as soon as its weights are in, so loading
-    never holds the whole model in float32 (a Qwen2.5-Omni-7B thinker would need ~30 GB, its
-    int8 weights ~8), nor a pre-quantized one's codes beside its panels. Output heads pack
+    where the native kernel serves, each TransposedLinear packs into the config's format (the
+    exact one: exact_format) as soon as its weights are in, so loading never holds the whole
+    model in float32 (a Qwen2.5-Omni-7B thinker would need ~30 GB; as its checkpoint's bf16
+    ~15, as int8 ~8), nor a pre-quantized one's codes beside its panels. Output heads pack
     later, with the rest (a tied head is loaded from the embedding table, perhaps twice)."""
-    if (config.quantization == "none" and not pre_quantized) or \
-            config.linear_kernel not in ("auto", "native"):
+    if config.linear_kernel not in ("auto", "native"):
         return
     param = next(model.parameters())
-    kernel, _ = native_kernel_for(config, param.device, param.dtype)   # never None: it raises
+    # None only for float32 weights (a quantization it cannot serve raises): packed later
+    # for oneDNN, or kept for matmul.
+    kernel, _ = native_kernel_for(config, param.device, param.dtype)
+    if kernel is None:
+        return
     for m in model.modules():
         if isinstance(m, TransposedLinear) and not m.output_head:
             m.pack_when_loaded(kernel, weight_format(config))

@@ -54,14 +54,13 @@ def require_complete(module: nn.Module, loaded: set[str], where: str) -> None:
 
 
 def fill_model(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]], where: str,
-               warn_unused: bool = False, pack_for: EngineConfig | None = None,
-               pre_quantized: bool = False) -> None:
+               warn_unused: bool = False, pack_for: EngineConfig | None = None) -> None:
     """Feed checkpoint tensors to an engine model's load_weights; check it got all it needs.
     Tensors the model does not use (KeyError) are skipped: logged when `warn_unused`.
     `pack_for`: its linear layers pack for that config's weight format as they load
-    (linear.pack_while_loading); `pre_quantized`: some weights come as QuantizedCodes."""
+    (linear.pack_while_loading)."""
     if pack_for is not None:
-        pack_while_loading(model, pack_for, pre_quantized)
+        pack_while_loading(model, pack_for)
     loaded: set[str] = set()
     with torch.no_grad():
         for name, tensor in weights:

@@ -39,12 +39,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     model = cls(config, dtype=dtype, device=device)
     model.to_empty(device=device)
     if gguf:
-        keep = keeps_codes(pack_for, device, dtype)
-        weights = gguf_weights(model_dir, keep_codes=keep)
+        weights = gguf_weights(model_dir, keep_codes=keeps_codes(pack_for, device, dtype))
     else:
-        keep, weights = False, iter_weights(safetensors_files(model_dir))
-    fill_model(model, weights, str(model_dir), warn_unused=True, pack_for=pack_for,
-               pre_quantized=keep)
+        weights = iter_weights(safetensors_files(model_dir))
+    fill_model(model, weights, str(model_dir), warn_unused=True, pack_for=pack_for)
     return model.eval()
 
 

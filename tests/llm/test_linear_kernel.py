@@ -180,6 +180,24 @@ def test_rows_of_large_weights_are_batch_invariant(kernel, narrow_kernel, fmt):
         assert torch.equal(narrow_kernel(x[lo:hi], packed, None), whole[lo:hi])
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 130, 33), (2, 64, 1100), (3, 200, 64), (5, 64, 1030),
+                                   (8, 192, 512), (13, 100, 1500), (16, 2048, 1024), (40, 70, 2050)])
+def test_bfloat16_panels_of_bfloat16_weights_equal_float32_panels(kernel, narrow_kernel, m, n, k):
+    """Weights that are bfloat16 values (a bf16 checkpoint) give the same bits from bfloat16
+    panels (columns in pairs, widened in registers or into a float32 copy) as from float32
+    ones, in every regime: 1-2 row wide tiles (also up to 16 rows of a 4+ MiB weight), 3-row
+    tiles on inputs past the copy's reach (K > 1024), the copy (8+ rows, K <= 1024), partial
+    panels; on both builds."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(k, n, generator=g).bfloat16().float()
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    half, full = kernel.pack(w, WeightFormat("bfloat16")), kernel.pack(w, WeightFormat("float32"))
+    assert torch.equal(half.dequantize(), w)
+    want = kernel(x, full, b)
+    assert torch.equal(kernel(x, half, b), want)
+    assert torch.equal(narrow_kernel(x, half, b), want)
+
+
 def test_unsupported_reasons():
     assert unsupported_reason(torch.device("cpu"), torch.float32) is None
     assert "float32" in unsupported_reason(torch.device("cpu"), torch.bfloat16)

@@ -134,3 +134,50 @@ def test_qwen3_omni_stages_quantize(tmp_path):
                               SamplingParams(temperature=0.0, max_tokens=8),
                               output=OutputOptions(modalities=["text", "audio"]))
         assert out.outputs[0].token_ids and out.audio is not None and out.audio.size > 0
+
+
+def _as_bf16_checkpoint(src: str, dst) -> str:
+    """A copy of the HF folder `src` whose weights are stored in bfloat16, as released models are."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in Path(dst).glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()}, f,
+                  metadata={"format": "pt"})
+    cfg = json.loads((Path(dst) / "config.json").read_text())
+    (Path(dst) / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    return str(dst)
+
+
+def test_bf16_checkpoint_is_kept_in_bf16_exactly(trained_qwen2, tmp_path):
+    """With no quantization, a bf16 checkpoint's linear weights are stored as bfloat16 (half
+    of float32's bytes) as they load, and nothing changes: greedy tokens are transformers'
+    (float32 over the same folder) and the float32 matmul path's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from omnistage.models.loader import load_model
+
+    folder = _as_bf16_checkpoint(trained_qwen2, tmp_path / "bf16")
+    model = load_model(folder, torch.float32, torch.device("cpu"), pack_for=EngineConfig(model=folder))
+    for layer in model.layers:
+        for m in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
+            assert m.panels.format == "bfloat16" and m.weight_t.numel() == 0
+    prompts = accuracy_prompts(trained_qwen2)[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for kernel in ("auto", "matmul"):
+        with Omni(folder, linear_kernel=kernel) as omni:
+            runs[kernel] = [o.token_ids for o in omni.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    never = hf.config.vocab_size
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=24, do_sample=False, eos_token_id=never,
+                            pad_token_id=never)[0, len(p):].tolist() for p in prompts]
+    assert runs["auto"] == runs["matmul"] == want
