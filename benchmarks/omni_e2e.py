@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model family (default: from --model's config.json, else qwen2_5_omni)")
     p.add_argument("--size", default="small", help="tiny-builder size when --model is not a folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the built checkpoint")
+    p.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="how the built checkpoint stores its weights: bfloat16 as the released "
+                        "models (both engines compute in float32; default: float32)")
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of levels")
     p.add_argument("--requests", default=None,
                    help="requests per level: N, or one N per level in --concurrency's order "
@@ -142,7 +145,7 @@ def resolve_family(args: argparse.Namespace) -> tuple[Path, str]:
         family = model or family or QWEN2_5
         if args.family and args.family != family:
             raise SystemExit(f"--model {model} is a {family} build, but --family says {args.family}")
-        return ensure_omni_model(family, args.size, args.seed), family
+        return ensure_omni_model(family, args.size, args.seed, args.weights_dtype), family
     folder = Path(resolve_model(model))
     cfg = json.loads((folder / "config.json").read_text())
     found = ARCHITECTURES.get((cfg.get("architectures") or [None])[0])
@@ -161,14 +164,15 @@ def finish_args(args: argparse.Namespace) -> None:
     args.frame_budget = args.frame_budget or VOCODER_FRAME_BUDGET
 
 
-def ensure_omni_model(family: str, size: str, seed: int = 0) -> Path:
+def ensure_omni_model(family: str, size: str, seed: int = 0, weights_dtype: str = "float32") -> Path:
     """The tiny-builder checkpoint of `family` and `size`, built once into <omnistage cache>/tiny/
     (delete the folder to rebuild it after the builder changed)."""
     from omnistage.entrypoints.model_source import tiny_checkpoint
 
     name = "Qwen3-Omni" if family == QWEN3 else "Qwen2.5-Omni"
-    log(f"[model] the {size} {name} (built into the omnistage cache on first use)")
-    return tiny_checkpoint(family, size, seed)
+    log(f"[model] the {size} {name}, weights stored in {weights_dtype} (built into the omnistage "
+        f"cache on first use)")
+    return tiny_checkpoint(family, size, seed, weights_dtype)
 
 
 def code_state() -> dict:

@@ -26,12 +26,14 @@ def _tiny_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("outdir", help="folder to write the checkpoint into (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default: 0)")
     parser.add_argument("--size", default="tiny", help="tiny (tests) or small (benchmarks); default: tiny")
+    parser.add_argument("--weights-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="how the weights are stored: bfloat16 as released models are (default: float32)")
 
 
 def _tiny_run(args: argparse.Namespace) -> int:
     from omnistage.tiny import build_tiny
 
-    print(build_tiny(args.arch, args.outdir, seed=args.seed, size=args.size))
+    print(build_tiny(args.arch, args.outdir, seed=args.seed, size=args.size, weights_dtype=args.weights_dtype))
     return 0
 
 

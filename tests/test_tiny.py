@@ -221,6 +221,24 @@ def test_sharded_checkpoint_matches_unsharded(tiny_dir: Path, tmp_path: Path) ->
     assert sorted(p.name for p in folder.glob("model*")) == ["model.safetensors"]
 
 
+def test_bfloat16_storage(tiny_dir: Path, tmp_path: Path) -> None:
+    """weights_dtype=bfloat16: every floating tensor stored as bfloat16 (the float32 build's
+    values rounded), the shard index's total size and the config's dtype to match; transformers
+    loads it (the CLI flag builds the same bytes)."""
+    folder = build_tiny("qwen2", tmp_path / "bf16", max_shard_size="100KB", weights_dtype="bfloat16")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    stored, full = load_weights(folder), load_weights(tiny_dir)
+    assert stored.keys() == full.keys()
+    assert all(stored[k].dtype == torch.bfloat16 and torch.equal(stored[k], full[k].bfloat16()) for k in full)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in stored.values())
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    assert Qwen2ForCausalLM.from_pretrained(folder, dtype=torch.float32).lm_head.weight.dtype == torch.float32
+    assert main(["tiny", "qwen2", str(tmp_path / "cli"), "--weights-dtype", "bfloat16"]) == 0
+    assert all(torch.equal(t, full[k].bfloat16()) for k, t in load_weights(tmp_path / "cli").items())
+    with pytest.raises(InvalidRequestError, match="weights_dtype must be one of"):
+        build_tiny("qwen2", tmp_path / "x", weights_dtype="float16")
+
+
 def test_small_config_shape() -> None:
     config = make_config("small", {}, {"<|endoftext|>": 31997, "<|im_end|>": 31999})
     with torch.device("meta"):

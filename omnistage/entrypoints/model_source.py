@@ -26,15 +26,16 @@ def resolve_model(model: str) -> str:
     return str(tiny_checkpoint(arch, size))
 
 
-def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0) -> Path:
-    """The cached folder of a tiny random checkpoint, built there on first use."""
-    out = cache_dir() / "tiny" / f"{arch}-{size}-seed{seed}"
+def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0, weights_dtype: str = "float32") -> Path:
+    """The cached folder of a tiny random checkpoint, built there on first use (weights in
+    `weights_dtype`: build_tiny)."""
+    out = cache_dir() / "tiny" / f"{arch}-{size}-seed{seed}{'-bf16' if weights_dtype == 'bfloat16' else ''}"
     if not _built(out):
         # Imported only to build: the builders import transformers' modeling code (seconds).
         from omnistage.tiny import build_tiny
 
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        build_tiny(arch, tmp, seed=seed, size=size)
+        build_tiny(arch, tmp, seed=seed, size=size, weights_dtype=weights_dtype)
         try:
             tmp.rename(out)  # atomic: a half-built folder is never picked up
         except OSError:

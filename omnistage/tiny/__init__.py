@@ -18,6 +18,7 @@ from omnistage.tiny.qwen2_5_omni import QWEN2_5_OMNI
 from omnistage.tiny.qwen3_omni import QWEN3_OMNI
 from omnistage.tiny.qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, QWEN_IMAGE_LAYERED
 from omnistage.tiny.spec import DEFAULT_MAX_SHARD_SIZE, TinyArch, TinyBuildOptions
+from omnistage.tiny.storage import WEIGHTS_DTYPES, store_as_bfloat16
 from omnistage.tiny.wan import WAN, WAN_I2V
 from omnistage.tiny.z_image import Z_IMAGE
 
@@ -50,13 +51,18 @@ def build_tiny(
     overrides: Mapping[str, Any] | None = None,
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    weights_dtype: str = "float32",
 ) -> Path:
     """Write a random `arch` checkpoint of `size` into `outdir`; return the folder's path.
 
     The same (arch, size, overrides, seed) always writes identical files. `overrides` replaces
     HF config fields (e.g. {"num_hidden_layers": 3}); `max_shard_size` is passed to
-    `save_pretrained` (checkpoints above it are sharded with an index file).
+    `save_pretrained` (checkpoints above it are sharded with an index file); `weights_dtype`
+    bfloat16 stores the weights as released models do (storage.py).
     """
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise InvalidRequestError(f"weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}; "
+                                  f"got {weights_dtype!r}", param="weights_dtype")
     if arch not in TINY_ARCHS:
         raise InvalidRequestError(
             f"unknown tiny architecture {arch!r}; choose one of: {', '.join(SUPPORTED_TINY_ARCHS)}",
@@ -73,6 +79,8 @@ def build_tiny(
             outdir=path, seed=seed, size=size, overrides=dict(overrides or {}), max_shard_size=max_shard_size
         )
     )
+    if weights_dtype == "bfloat16":
+        store_as_bfloat16(path)
     return path
 
 

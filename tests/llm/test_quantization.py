@@ -136,34 +136,23 @@ def test_qwen3_omni_stages_quantize(tmp_path):
         assert out.outputs[0].token_ids and out.audio is not None and out.audio.size > 0
 
 
-def _as_bf16_checkpoint(src: str, dst) -> str:
-    """A copy of the HF folder `src` whose weights are stored in bfloat16, as released models are."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    for f in Path(dst).glob("*.safetensors"):
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(f).items()}, f,
-                  metadata={"format": "pt"})
-    cfg = json.loads((Path(dst) / "config.json").read_text())
-    (Path(dst) / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16", "torch_dtype": "bfloat16"}))
-    return str(dst)
-
-
 def test_bf16_checkpoint_is_kept_in_bf16_exactly(trained_qwen2, tmp_path):
     """With no quantization, a bf16 checkpoint's linear weights are stored as bfloat16 (half
     of float32's bytes) as they load, and nothing changes: greedy tokens are transformers'
     (float32 over the same folder) and the float32 matmul path's."""
+    import shutil
+
     import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from omnistage.models.loader import load_model
+    from omnistage.tiny.storage import store_as_bfloat16
 
-    folder = _as_bf16_checkpoint(trained_qwen2, tmp_path / "bf16")
+    folder = str(shutil.copytree(trained_qwen2, tmp_path / "bf16"))
+    store_as_bfloat16(tmp_path / "bf16")
+    assert all(t.dtype == torch.bfloat16 for f in (tmp_path / "bf16").glob("*.safetensors")
+               for t in load_file(f).values())
     model = load_model(folder, torch.float32, torch.device("cpu"), pack_for=EngineConfig(model=folder))
     for layer in model.layers:
         for m in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
@@ -181,3 +170,43 @@ def test_bf16_checkpoint_is_kept_in_bf16_exactly(trained_qwen2, tmp_path):
                             max_new_tokens=24, do_sample=False, eos_token_id=never,
                             pad_token_id=never)[0, len(p):].tolist() for p in prompts]
     assert runs["auto"] == runs["matmul"] == want
+
+
+def test_qwen3_omni_bf16_checkpoint_keeps_every_linear_in_bf16(tmp_path):
+    """Every linear layer of the stages that take a weight format (thinker and talker experts,
+    attention, heads, code predictor, projections, encoder towers; code2wav, a vocoder, stays
+    float32 as with any quantization) is stored in bfloat16 from a bf16 folder, none left
+    float32 (their outputs equal transformers': the parity tests' tiny-bf16 folder)."""
+    from torch import nn
+
+    from omnistage.layers.linear import NativeLinear, TransposedLinear
+    from omnistage.tiny import build_tiny
+
+    folder = str(build_tiny("qwen3_omni", tmp_path / "q3", seed=0, weights_dtype="bfloat16"))
+    with Omni(folder) as omni:
+        formats: dict[str, set[str]] = {}
+        for name, stage in omni.engine.graph.stages.items():
+            for module in _stage_modules(stage) if name != "code2wav" else []:
+                for m in module.modules():
+                    assert type(m) is not nn.Linear, f"{name}: a float32 nn.Linear left"
+                    if isinstance(m, (TransposedLinear, NativeLinear)) and m.panels is not None:
+                        formats.setdefault(name, set()).add(m.panels.format)
+        assert set(formats) >= {"encoder", "thinker", "talker"}, formats
+        assert all(f == {"bfloat16"} for f in formats.values()), formats
+
+
+def _stage_modules(stage) -> list:
+    """The torch modules a stage object holds, found through its attributes (a few levels)."""
+    from torch import nn
+
+    found, seen, todo = [], set(), [(stage, 0)]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.append(obj)
+        elif depth < 3 and hasattr(obj, "__dict__"):
+            todo += [(v, depth + 1) for v in vars(obj).values()]
+    return found

@@ -32,19 +32,28 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+# The tiny shape stored as released checkpoints are (bfloat16): the default kernels keep its
+# linear weights in bfloat16 panels (exact), transformers widens them to float32.
+FOLDERS = {**{name: (overrides, "float32") for name, overrides in SHAPES.items()},
+           "tiny-bf16": ({}, "bfloat16")}
+
+
+@pytest.fixture(scope="module", params=list(FOLDERS))
 def folder(request, tmp_path_factory) -> str:
     from omnistage.tiny import build_tiny
 
+    overrides, weights_dtype = FOLDERS[request.param]
     return str(build_tiny("qwen3_omni", tmp_path_factory.mktemp(f"q3-{request.param}"), seed=1,
-                          overrides=SHAPES[request.param]))
+                          overrides=overrides, weights_dtype=weights_dtype))
 
 
 @pytest.fixture(scope="module")
 def hf(folder):
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    # float32 whatever the folder stores (transformers would compute in its dtype).
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module", params=["auto", "matmul"])
