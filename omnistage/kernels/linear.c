@@ -2,7 +2,8 @@
  * linear layers of our stages on CPU, for one row (a single-stream decode) as for thousands
  * (prefill). Four weight formats share one layout and one tile:
  *   f32   float32
- *   bf16  bfloat16, widened to float32 in registers (a shift: exact)
+ *   bf16  bfloat16, widened to float32 in registers (a shift or a mask: exact; columns in
+ *         pairs, see w_bf16)
  *   i8    int8 with one float32 scale per output column (symmetric, weight-only)
  *   i8g   int8 with one float32 scale per (group of `group` inputs, output column)
  *         (GGUF's q8_0 at group 32: w = q * scale)
