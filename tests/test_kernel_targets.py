@@ -35,6 +35,13 @@ SOURCES = {
 }
 
 
+def _known(march: str) -> bool:
+    """Whether this compiler knows the CPU name (an older one may not know the newest)."""
+    proc = subprocess.run([build.compiler(), f"-march={march}", "-x", "c", "-E", "-o", "/dev/null", "-"],
+                          input="", capture_output=True, text=True, timeout=60)
+    return proc.returncode == 0
+
+
 def _compile(source: str, target: str, defines: tuple[str, ...], out: Path) -> str | None:
     march = target.removesuffix("-narrow")
     flags = [f for f in build.FLAGS if f not in ("-march=native", "-shared")]
@@ -46,8 +53,10 @@ def _compile(source: str, target: str, defines: tuple[str, ...], out: Path) -> s
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 targets")
 def test_every_kernel_compiles_for_every_x86_target(tmp_path):
+    targets = [t for t in TARGETS if _known(t.removesuffix("-narrow"))]
+    assert {"x86-64", "haswell"} <= set(targets)
     jobs = [(source, target, defines) for source, variants in SOURCES.items()
-            for defines in variants for target in TARGETS]
+            for defines in variants for target in targets]
     with ThreadPoolExecutor(max_workers=2) as pool:
         errors = list(pool.map(lambda j: _compile(*j[1], tmp_path / f"{j[0]}.o"), enumerate(jobs)))
     assert [e for e in errors if e] == []
