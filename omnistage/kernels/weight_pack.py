@@ -125,8 +125,9 @@ class PackedWeight:
     panels: float32 / bfloat16 / int8 (num_panels, in, 64) (int8g too; bfloat16 columns in
     pairs: _pair_columns), or uint8 (num_panels, in, 32) for int4, or uint8 (num_panels, in / 8,
     64, 4) for int4k (int4 whose inputs and groups are multiples of 32, laid out for integer dot
-    products against int8 activations: linear.c); column_scales: float32 (num_panels * 64,) for int8; group_scales: float32
-    (num_panels, ceil(in / group_size), 64) for int4, int4k and int8g. Zero past out_features."""
+    products against int8 activations: linear.c); column_scales: float32 (num_panels * 64,) for
+    int8; group_scales: float32 (num_panels, ceil(in / group_size), 64) for int4, int4k and
+    int8g. Zero past out_features."""
 
     format: str
     panels: torch.Tensor
@@ -153,7 +154,7 @@ class PackedWeight:
             else:
                 w = self.panels.float() * s
         else:
-            w = self.panels.float() if self.format != "bfloat16" else _pair_columns(self.panels, undo=True).float()
+            w = (_pair_columns(self.panels, undo=True) if self.format == "bfloat16" else self.panels).float()
             if self.format == "int8":
                 # linear.c scales the accumulated sum, not each weight: this is the same
                 # product up to summation rounding.

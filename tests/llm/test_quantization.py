@@ -162,7 +162,8 @@ def test_bf16_checkpoint_is_kept_in_bf16_exactly(trained_qwen2, tmp_path):
     runs = {}
     for kernel in ("auto", "matmul"):
         with Omni(folder, linear_kernel=kernel) as omni:
-            runs[kernel] = [o.token_ids for o in omni.generate([{"prompt_token_ids": p} for p in prompts], params)]
+            outs = omni.generate([{"prompt_token_ids": p} for p in prompts], params)
+            runs[kernel] = [o.token_ids for o in outs]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     never = hf.config.vocab_size
     with torch.no_grad():
