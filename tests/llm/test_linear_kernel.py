@@ -184,10 +184,10 @@ def test_rows_of_large_weights_are_batch_invariant(kernel, narrow_kernel, fmt):
                                    (8, 192, 512), (13, 100, 1500), (16, 2048, 1024), (40, 70, 2050)])
 def test_bfloat16_panels_of_bfloat16_weights_equal_float32_panels(kernel, narrow_kernel, m, n, k):
     """Weights that are bfloat16 values (a bf16 checkpoint) give the same bits from bfloat16
-    panels (columns in pairs, widened in registers or into a float32 copy) as from float32
-    ones, in every regime: 1-2 row wide tiles (also up to 16 rows of a 4+ MiB weight), 3-row
-    tiles on inputs past the copy's reach (K > 1024), the copy (8+ rows, K <= 1024), partial
-    panels; on both builds."""
+    panels (columns in pairs, widened in registers) as from float32 ones, in every regime: 1-2
+    row wide tiles (also up to 16 rows of a 4+ MiB weight), 3-row tiles (run half a tile at a
+    time for bf16) on short and long inputs (K around 1024, where float32 copies of quantized
+    formats stop), partial panels; on both builds."""
     g = torch.Generator().manual_seed(m * 7 + n + k)
     w = torch.randn(k, n, generator=g).bfloat16().float()
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
