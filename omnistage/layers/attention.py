@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels.paged_attention import PagedAttentionKernel
+from omnistage.layers.lazy_zeros import lazy_zeros
 from omnistage.layers.rotary import RotaryEmbedding
 
 
@@ -84,8 +85,8 @@ class KVCache:
 
     def __init__(self, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        self.kv = torch.zeros((2, num_kv_heads, num_blocks, block_size, head_dim),
-                              dtype=dtype, device=device)
+        # Pages taken as blocks are first written (lazy_zeros): the pool is sized for every seat.
+        self.kv = lazy_zeros((2, num_kv_heads, num_blocks, block_size, head_dim), dtype, device)
         # First row of each (K or V, head) plane in the (2 Hkv NB, bs D) view used by gather.
         self._planes = torch.arange(2 * num_kv_heads, device=device).unsqueeze(1) * num_blocks
 
