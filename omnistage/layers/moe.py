@@ -98,18 +98,20 @@ class MoeMLP(nn.Module):
         flat = experts.flatten()                                          # (T * k,) row-major
         order = torch.argsort(flat, stable=True)                          # grouped by expert
         counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
-        grouped = x[order // k]                                           # (T * k, H): one gather
-        contrib = self._experts(grouped, counts) * weights.flatten()[order].unsqueeze(1)  # grouped
+        # index_select, not x[...]: the same gather at half the dispatch cost of advanced
+        # indexing (three per layer and step, 8-16 rows: ~7 against ~15 us each)
+        grouped = x.index_select(0, order // k)                           # (T * k, H): one gather
+        contrib = self._experts(grouped, counts) * weights.flatten().index_select(0, order).unsqueeze(1)
         # Back to (T, k) slots, each row's slots in ascending expert order, summed from zero in
         # that order: the same additions as adding each expert's batch into its rows in turn,
         # in k vectorized adds (index_add_ on CPU dispatches one add per row: ~20% of a prefill).
-        slot = torch.empty_like(order)
-        slot[order] = torch.arange(t * k, device=order.device)           # flat slot -> grouped row
+        # slot[flat slot] = its grouped row
+        slot = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=order.device))
         ascending = experts.argsort(dim=1, stable=True)                   # (T, k)
         slot = slot.view(t, k).gather(1, ascending)                       # (T, k) grouped rows
         out = torch.zeros_like(x)
         for j in range(k):
-            out += contrib[slot[:, j]]
+            out += contrib.index_select(0, slot[:, j])
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -123,7 +123,8 @@ class ModelRunner:
                 result.input_embeds[seq.seq_id] = e
                 seq.num_hidden_emitted = chunk.start + chunk.num_new_tokens
         if sample_chunks:
-            result.sampled = self._sample(hidden if prune else hidden[sample_rows], sample_chunks)
+            result.sampled = self._sample(hidden if prune else hidden.index_select(0, sample_rows),
+                                          sample_chunks)
         return result
 
     # ---- inputs ---------------------------------------------------------------------------
