@@ -68,6 +68,11 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "ray (a Ray actor); see docs/architecture.md")
     g.add_argument("--token2wav-steps", type=int, default=10,
                    help="ODE steps of the speech decoder per chunk (default: 10)")
+    g.add_argument("--token2wav-first-chunk", type=int, default=None, metavar="CODES",
+                   help="Qwen2.5-Omni: codec codes in a request's first speech-decoder chunk "
+                        "(default: 2 DiT blocks plus the vocoder's context, 48 on the released "
+                        "model: the first audio lasts until the second chunk is decoded on a CPU; "
+                        "24: first audio ~0.1 s sooner, for where the DiT is fast, e.g. a GPU)")
     g.add_argument("--token2wav-bf16", action="store_true",
                    help="speech decoder DiT matmuls in bfloat16: ~1.4x faster on CPUs with bf16 "
                         "units, mel within ~0.2%% RMS of float32 (default: float32, as the reference)")
@@ -112,7 +117,8 @@ def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
 
     return {"deploy_config": args.deploy_config,
             "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps,
-                                                                  bf16_dit=args.token2wav_bf16))}
+                                                                  bf16_dit=args.token2wav_bf16,
+                                                                  first_chunk=args.token2wav_first_chunk))}
 
 
 def _diffusion_arguments(parser: argparse.ArgumentParser) -> None:

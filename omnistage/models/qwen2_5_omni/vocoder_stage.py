@@ -23,7 +23,7 @@ lead; a new request's first audio no longer waits behind seconds of other reques
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -42,9 +42,16 @@ class VocoderSettings:
     steps: int = 10                      # ODE steps (RK4) per chunk
     guidance_scale: float = 0.5
     stream: StreamConfig | None = None   # None: the DiT's own block reach (StreamConfig.for_dit)
+    # Codes in a request's first chunk (None: the stream config's; for_dit's is 2 DiT blocks plus
+    # the vocoder's context in whole blocks, 48 codes on the released model, so its PCM lasts
+    # until the second chunk is decoded on a CPU). 24 (2 blocks): first audio ~0.1 s sooner, but
+    # on a CPU the first 0.12 s of speech then plays out ~0.3 s before the second chunk comes.
+    # A multiple of the DiT block (12 codes) keeps the stream within its documented bounds.
+    first_chunk: int | None = None
     seed: int = 0                        # unseeded request i draws noise from seed + i
     frame_budget: int = 1536             # mel frames of later-chunk windows per solve (at least one window)
-    first_audio_frames: int = 144        # mel frames of first-chunk windows per step (at least one)
+    first_audio_frames: int = 240        # mel frames of first-chunk windows per step (at least one;
+                                         # two of for_dit's on the released model: 60 codes each)
     intervals_per_step: int = 1          # RK4 intervals a later-chunk solve advances per step (0: all)
     max_hold_s: float = 2.0              # longest wait of later chunks for streams gathering first codes
     # Opt-in speed for quality: the DiT's matmuls in bfloat16 (~1.4x on CPUs with bf16 units;
@@ -72,7 +79,9 @@ class VocoderStage(Stage):
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
         (tests) gives a request's ODE start noise; default: a seeded generator per request."""
         self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
-        self.stream_config = settings.stream or StreamConfig.for_dit(model.config.dit_config)
+        stream = settings.stream or StreamConfig.for_dit(model.config.dit_config, model.vocoder.receptive_field())
+        self.stream_config = (replace(stream, first_chunk_size=settings.first_chunk) if settings.first_chunk is not None
+                              else stream)
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
