@@ -1,4 +1,4 @@
-"""oneDNN's packed fp32 linear (CPU), in one place: the weight is reordered once into oneDNN's
+"""oneDNN's packed fp32 (and bf16) linear (CPU), in one place: the weight is reordered once into oneDNN's
 blocked layout, and every product runs its AVX-512 GEMM, 2-3x torch's default fp32 BLAS path
 on the CPUs we serve from. These are torch's private `mkldnn` ops (what its CPU compiler emits);
 only this module calls them."""
@@ -12,6 +12,13 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's packed linear serves fp32 on CPUs of torch builds that include it."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def onednn_bf16_available() -> bool:
+    """oneDNN runs bf16 GEMMs natively (AVX-512 BF16 or AMX); elsewhere it would emulate them,
+    slower than fp32."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from omnistage.config import EngineConfig
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
 from omnistage.layers.linear import native_linears_for
-from omnistage.layers.onednn import onednn_linear_available
 from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
@@ -114,10 +113,12 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
     if name == "token2wav":
         t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
         t2w.load_weights(iter_weights(safetensors_files(model_dir)))
-        if settings.vocoder.bf16_dit:
-            t2w.dit.bf16_matmuls = True    # (packed fp32 GEMMs would ignore autocast)
-        elif config.linear_kernel != "matmul" and onednn_linear_available(dev, torch.float32):
-            t2w.dit.pack_for_onednn()      # ~1.7x on the DiT's GEMMs on CPU
+        packed = 0
+        if config.linear_kernel != "matmul":   # ~1.7x on the DiT's GEMMs on CPU (fp32); bf16 where
+            # the CPU has bf16 dot products: weights and GEMM inputs rounded, ~1.3-1.8x more
+            packed = t2w.dit.pack_for_onednn(torch.bfloat16 if settings.vocoder.bf16_dit else torch.float32)
+        if settings.vocoder.bf16_dit and not packed:
+            t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
         if config.linear_kernel != "matmul":
             use_native_snake(t2w.vocoder)  # BigVGAN's activations in one pass each
         stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)

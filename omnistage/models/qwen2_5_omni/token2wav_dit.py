@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers.onednn import onednn_linear_available, pack_weight, packed_linear
+from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_available, pack_weight,
+                                     packed_linear)
 
 
 class DiTLinear(nn.Linear):
@@ -29,16 +30,27 @@ class DiTLinear(nn.Linear):
     path on the AVX-512 Zen CPUs we serve from: 240 vs 104 GFLOP/s at 1200x256x256)."""
 
     packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
+    packed_dtype: torch.dtype = torch.float32     # of the packed weight; activations go in as it
 
-    def pack_for_onednn(self) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> None:
+        """dtype bfloat16: weights and inputs rounded to bf16, sums in float32 (the CPU's bf16
+        dot products); outputs rounded to bf16, then back to the input's dtype."""
         w = self.weight
-        self.packed = pack_weight(w)
+        self.packed, self.packed_dtype = pack_weight(w.to(dtype)), dtype
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(dtype)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return packed_linear(x, self.packed, self.bias)
+        return self.packed_call(x)
+
+    def packed_call(self, x: torch.Tensor, post_op: str = "none", algorithm: str = "",
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The packed GEMM with oneDNN's `post_op` fused; the result in out_dtype (x's)."""
+        y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm)
+        return y.to(out_dtype or x.dtype)
 
 
 # ---------------------------------------------------------------- ECAPA-TDNN speaker encoder
@@ -153,9 +165,19 @@ class InputEmbed(nn.Module):
         widths = [c.mel_dim, c.enc_dim, c.emb_dim, c.enc_emb_dim]
         self.cols = [(sum(widths[:i]), sum(widths[:i + 1])) for i in range(4)]
 
+    packed_mel: torch.Tensor | None = None     # part(0) in oneDNN's layout (pack_for_onednn)
+    packed_mel_dtype: torch.dtype = torch.float32
+
     def part(self, i: int) -> torch.Tensor:
         a, b = self.cols[i]
         return self.proj.weight[:, a:b]
+
+    def mel_terms(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, mel) -> (B, T, D): the ODE state's share of the input projection, the only
+        share that changes between evaluations."""
+        if self.packed_mel is not None and not torch.is_autocast_enabled(x.device.type):
+            return packed_linear(x.to(self.packed_mel_dtype), self.packed_mel, None).to(x.dtype)
+        return F.linear(x, self.part(0))
 
 
 class CodecEmbed(nn.Module):
@@ -203,7 +225,7 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([DiTLinear(inner, c.hidden_size)])
         self.qkv: DiTLinear | None = None      # q|k|v in one packed GEMM (pack_for_onednn)
 
-    def pack_for_onednn(self) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> None:
         """One GEMM for q, k and v (the same numbers as three: each output column is the same
         dot product), then the projections drop their own weights."""
         q, k, v = self.to_q, self.to_k, self.to_v
@@ -211,12 +233,12 @@ class Attention(nn.Module):
         with torch.no_grad():
             merged.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
             merged.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        merged.pack_for_onednn()
+        merged.pack_for_onednn(dtype)
         self.qkv = merged
         for lin in (q, k, v):
             lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
             lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
-        self.to_out[0].pack_for_onednn()
+        self.to_out[0].pack_for_onednn(dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bs: int, back: int,
                 ahead: int, mask: torch.Tensor | None) -> torch.Tensor:
@@ -254,8 +276,15 @@ def _key_windows(z: torch.Tensor, back: int, ahead: int) -> torch.Tensor:
     b, nb, h, bs, d = z.shape
     if back == 0 and ahead == 0:
         return z.reshape(b * nb, h, bs, d)
-    zp = F.pad(z, (0, 0, 0, 0, 0, 0, back, ahead))
-    win = torch.cat([zp[:, i:i + nb] for i in range(back + 1 + ahead)], dim=3)
+    # Written slot by slot into one buffer (not padded, then concatenated: two more full
+    # passes, ~10% of a first chunk's solve); only the slots outside the sequence are zeroed.
+    win = z.new_empty(b, nb, h, (back + 1 + ahead) * bs, d)
+    for i in range(back + 1 + ahead):            # slot i of block j holds block j - back + i
+        slot, shift = win[:, :, :, i * bs:(i + 1) * bs], i - back
+        lo, hi = max(0, -shift), nb - max(0, shift)
+        slot[:, lo:hi] = z[:, lo + shift:hi + shift]
+        slot[:, :lo].zero_()
+        slot[:, hi:].zero_()
     return win.reshape(b * nb, h, -1, d)
 
 
@@ -284,14 +313,13 @@ class FeedForward(nn.Module):
         self.ff = nn.ModuleDict({"0": DiTLinear(dim, dim * mult), "3": DiTLinear(dim * mult, dim)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = self.ff["0"]
+        up, down = self.ff["0"], self.ff["3"]
         if up.packed is not None and not torch.is_autocast_enabled(x.device.type):
             # GELU as the GEMM's post-op: one pass over the activations instead of two
-            # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's).
-            h = packed_linear(x, up.packed, up.bias, "gelu", "tanh")
-        else:
-            h = F.gelu(up(x), approximate="tanh")
-        return self.ff["3"](h)
+            # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's); h stays in the GEMMs' dtype.
+            h = up.packed_call(x, "gelu", "tanh", out_dtype=up.packed_dtype)
+            return down.packed_call(h, out_dtype=x.dtype)
+        return down(F.gelu(up(x), approximate="tanh"))
 
 
 class AdaNorm(nn.Module):
@@ -324,9 +352,9 @@ class DiTBlock(nn.Module):
                 bs: int, mask: torch.Tensor | None) -> torch.Tensor:
         """mods: this block's attn_norm(temb), six (1, D) modulation vectors."""
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
-        x = x + gate_a[:, None] * self.attn(modulate(x, scale_a, shift_a), rope, bs, self.back,
-                                            self.ahead, mask)
-        return x + gate_f[:, None] * self.ff(modulate(x, scale_f, shift_f))
+        a = self.attn(modulate(x, scale_a, shift_a), rope, bs, self.back, self.ahead, mask)
+        x = torch.addcmul(x, gate_a[:, None], a)             # x + gate * a in one pass
+        return torch.addcmul(x, gate_f[:, None], self.ff(modulate(x, scale_f, shift_f)))
 
 
 @dataclass
@@ -395,7 +423,7 @@ class DiTModel(nn.Module):
         # stays float32. Off by default: the reference runs token2wav in float32.
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16_matmuls):
             mods, (scale, shift) = self.time_terms(t)
-            h = F.linear(x, self.input_embed.part(0)) + static
+            h = self.input_embed.mel_terms(x) + static
             for block, m in zip(self.transformer_blocks, mods):
                 h = block(h, m, rope, self.block_size, masks[(block.back, block.ahead)])
             return self.proj_out(modulate(h, scale, shift)).to(x.dtype)
@@ -419,19 +447,25 @@ class DiTModel(nn.Module):
         kinds = {(b.back, b.ahead) for b in self.transformer_blocks}
         return {k: window_mask(layout, self.block_size, *k, device) for k in kinds}
 
-    def pack_for_onednn(self) -> int:
-        """Switch linears to oneDNN's packed GEMM where available; returns how many.
-        input_embed.proj stays plain: its weight is read in column slices."""
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> int:
+        """Switch linears to oneDNN's packed GEMM where available, with weights (and GEMM
+        inputs) in `dtype` (bfloat16: see DiTLinear.pack_for_onednn; the ODE state, norms,
+        attention and residuals stay float32); returns how many. input_embed.proj stays plain
+        (its weight is read in column slices); its mel columns, used at every evaluation, get a
+        packed copy."""
         p = next(self.parameters())
-        if not onednn_linear_available(p.device, p.dtype):
+        if not onednn_linear_available(p.device, p.dtype) or (dtype == torch.bfloat16
+                                                               and not onednn_bf16_available()):
             return 0
         self._time_cache.clear()      # computed by the other GEMM path
         attns = [m for m in self.modules() if isinstance(m, Attention)]
         for a in attns:
-            a.pack_for_onednn()
+            a.pack_for_onednn(dtype)
         done = {id(m) for a in attns for m in (a.to_q, a.to_k, a.to_v, a.to_out[0], a.qkv)}
         lins = [m for m in self.modules() if isinstance(m, DiTLinear) and m is not self.input_embed.proj
                 and id(m) not in done]
         for m in lins:
-            m.pack_for_onednn()
-        return len(lins) + 2 * len(attns)
+            m.pack_for_onednn(dtype)
+        emb = self.input_embed
+        emb.packed_mel, emb.packed_mel_dtype = pack_weight(emb.part(0).to(dtype).contiguous()), dtype
+        return len(lins) + 2 * len(attns) + 1

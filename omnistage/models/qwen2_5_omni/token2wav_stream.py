@@ -13,6 +13,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.models.qwen2_5_omni.bigvgan import VocoderJob, VocoderStream, vocode_windows
 from omnistage.models.qwen2_5_omni.token2wav import (DiTJob, NoiseSource, OdeSolve, Token2Wav,
                                                      check_settings)
+from omnistage.models.qwen2_5_omni.token2wav_dit import SpeakerTerms
 
 @dataclass
 class StreamConfig:
@@ -88,7 +89,10 @@ class Token2WavStream:
 
     def __init__(self, model: Token2Wav, cond: torch.Tensor, ref_mel: torch.Tensor,
                  noise: torch.Tensor | torch.Generator, config: StreamConfig | None = None,
-                 steps: int = 10, guidance_scale: float = 0.5, sway: float | None = -1.0):
+                 steps: int = 10, guidance_scale: float = 0.5, sway: float | None = -1.0,
+                 speaker: SpeakerTerms | None = None):
+        """`speaker`: model.speaker_terms(cond, ref_mel) when the caller keeps it (a stage
+        serving a few voices: the speaker encoder then runs once per voice, not per request)."""
         c = model.config.dit_config
         self.model, self.steps, self.sway = model, steps, sway
         self.guidance = check_settings(steps, sway, guidance_scale)
@@ -104,7 +108,7 @@ class Token2WavStream:
                 f"{self.vctx} frames) for the first chunk to carry audio", param=param)
         model.check_frames(self.repeats * (self.cfg.look_back + self.align + self.cfg.largest_chunk
                                            + self.cfg.look_ahead))          # the longest window
-        self.speaker = model.speaker_terms(cond, ref_mel)
+        self.speaker = speaker if speaker is not None else model.speaker_terms(cond, ref_mel)
         self.noise = NoiseSource(noise, c.mel_dim, c.block_size, model.device, model.dtype)
         self.codes = torch.empty(0, dtype=torch.long, device=model.device)
         # Absolute code indices: of self.codes[0], codes pushed so far, first code not decoded.

@@ -30,6 +30,7 @@ import torch
 
 from omnistage.models.qwen2_5_omni.messages import AudioChunk, CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
+from omnistage.models.qwen2_5_omni.token2wav_dit import SpeakerTerms
 from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
                                                             Token2WavStream, solve_key,
                                                             step_streams)
@@ -86,6 +87,7 @@ class VocoderStage(Stage):
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
+        self._speaker_terms: dict[str, SpeakerTerms] = {}      # by voice (see _open)
         self._count = 0
         self._hold_since: float | None = None   # when later chunks began waiting (see _pick)
         self._solve: StreamSolve | None = None  # later chunks in flight
@@ -101,8 +103,12 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
+        terms = self._speaker_terms.get(speaker)
+        if terms is None:    # the speaker encoder over the voice's reference mel: once per voice
+            terms = self._speaker_terms[speaker] = self.model.speaker_terms(spk.cond, spk.ref_mel)
         return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.stream_config,
-                               steps=self.settings.steps, guidance_scale=self.settings.guidance_scale)
+                               steps=self.settings.steps, guidance_scale=self.settings.guidance_scale,
+                               speaker=terms)
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
         """Decode first and second chunks once before serving (a few streams at once), so the

@@ -8,6 +8,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 
 from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
@@ -138,15 +139,23 @@ def test_forced_answer_is_spoken(omni_dir):
     assert out.audio is not None and out.audio.size >= 20 * 2 * 240
 
 
-def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir):
+@pytest.mark.parametrize("kernel", ["matmul", "auto"])
+def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir, kernel):
+    """matmul: bf16 autocast around the DiT; auto: oneDNN's packed bf16 GEMMs where the CPU has
+    bf16 dot products (else autocast too)."""
+    from omnistage.layers.onednn import onednn_bf16_available
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
     from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
     prompt, params = [{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=6)
     opts = OutputOptions(talker_params=_talker(3))
-    [ref] = Omni(omni_dir, linear_kernel="matmul").generate(prompt, params, output=opts)
-    fast = Omni(omni_dir, linear_kernel="matmul", omni_settings=OmniSettings(vocoder=VocoderSettings(bf16_dit=True)))
-    assert fast.engine.graph.stages["token2wav"].model.dit.bf16_matmuls
+    [ref] = Omni(omni_dir, linear_kernel=kernel).generate(prompt, params, output=opts)
+    fast = Omni(omni_dir, linear_kernel=kernel, omni_settings=OmniSettings(vocoder=VocoderSettings(bf16_dit=True)))
+    dit = fast.engine.graph.stages["token2wav"].model.dit
+    packed = kernel == "auto" and onednn_bf16_available()
+    assert dit.bf16_matmuls == (not packed)
+    assert (dit.transformer_blocks[0].attn.qkv is not None
+            and dit.transformer_blocks[0].attn.qkv.packed_dtype == torch.bfloat16) == packed
     [out] = fast.generate(prompt, params, output=opts)
     assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
     rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
