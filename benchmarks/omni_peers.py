@@ -233,6 +233,9 @@ def _correctness(levels: dict, hf: HFResult, same: set[int]) -> dict:
         ours = pairs[0][0].codes
         out["frames_compared"] = {"codebooks": len(ours), "frames": [len(t.codes[0]) for t, _ in pairs]}
         out["first_differing_frame"] = {i: _first_difference(t.codes, hf.codes[i]) for t, i in pairs}
+    elif seen:                                              # Qwen2.5: one code list per request
+        out["first_differing_code"] = {i: _first_difference(t.codes, hf.codes[i]) for t, i in pairs}
+        out["codes_compared"] = {i: [len(t.codes), len(hf.codes[i])] for t, i in pairs}
     return out
 
 

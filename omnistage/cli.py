@@ -74,9 +74,9 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "model: the first audio lasts until the second chunk is decoded on a CPU; "
                         "24: first audio ~0.1 s sooner, for where the DiT is fast, e.g. a GPU)")
     g.add_argument("--token2wav-bf16", action="store_true",
-                   help="speech decoder DiT matmuls in bfloat16: ~1.4x on an Intel Xeon with AMX, "
-                        "0.9x on an AMD Zen 5 (measure yours); mel within ~0.2%% RMS of float32 "
-                        "(default: float32, as the reference)")
+                   help="speech decoder DiT GEMMs in bfloat16: oneDNN's bf16 GEMMs on CPUs with bf16 "
+                        "dot products (1.3x float32 on an AMD Zen 5), autocast elsewhere; mel "
+                        "within ~0.2%% RMS of float32 (default: float32, as the reference)")
     g.add_argument("--code2wav-playback-margin", type=_margin, default=0.6, metavar="SECONDS|off",
                    help="Qwen3-Omni: a listener with less than this much sent speech left to play "
                         "gets the frames its request has at once instead of the next chunk size "

@@ -55,9 +55,9 @@ class VocoderSettings:
                                          # two of for_dit's on the released model: 60 codes each)
     intervals_per_step: int = 1          # RK4 intervals a later-chunk solve advances per step (0: all)
     max_hold_s: float = 2.0              # longest wait of later chunks for streams gathering first codes
-    # Opt-in speed for quality: the DiT's matmuls in bfloat16 (~1.4x on an Intel Xeon with AMX,
-    # 0.9x on a Zen 5, whose packed float32 GEMMs are at its FMA peak; mel within ~0.2% RMS of
-    # float32). Off: outputs match the reference (float32).
+    # Opt-in speed for quality: the DiT's GEMMs in bfloat16 (oneDNN's packed bf16 GEMMs where the
+    # CPU has bf16 dot products: 1.3x float32 on a Zen 5; autocast elsewhere, ~1.4x on an Intel
+    # Xeon with AMX); mel within ~0.2% RMS of float32. Off: outputs match the reference (float32).
     bf16_dit: bool = False
 
 
