@@ -58,7 +58,8 @@ def test_script_on_tiny_model_prints_one_json_line_last(tmp_path):
     assert len(report["code"]["commit"]) == 40
     # Same greedy thinker and talker on both sides: the same text tokens and codec codes.
     assert report["correctness"] == {"requests_compared": 1, "text_tokens_equal_hf": True,
-                                     "talker_codes_equal_hf": True}
+                                     "talker_codes_equal_hf": True, "first_differing_code": {"0": None},
+                                     "codes_compared": {"0": [30, 30]}}
     assert set(report["ratios"]) == RATIOS
     assert report["ratios"]["throughput_c16_vs_hf"]["value"] is None   # no level 16 ran
     for name in ("ttfa_c1_vs_hf_latency", "ttfa_p50_c8_vs_c1"):
