@@ -1,7 +1,7 @@
-"""oneDNN's packed fp32 (and bf16) linear (CPU), in one place: the weight is reordered once into oneDNN's
-blocked layout, and every product runs its AVX-512 GEMM, 2-3x torch's default fp32 BLAS path
-on the CPUs we serve from. These are torch's private `mkldnn` ops (what its CPU compiler emits);
-only this module calls them."""
+"""oneDNN's packed fp32 (and bf16) linear (CPU), in one place: the weight is reordered once
+into oneDNN's blocked layout, and every product runs its AVX-512 GEMM, 2-3x torch's default
+fp32 BLAS path on the CPUs we serve from. These are torch's private `mkldnn` ops (what its
+CPU compiler emits); only this module calls them."""
 
 from __future__ import annotations
 
