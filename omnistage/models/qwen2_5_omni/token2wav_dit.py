@@ -164,9 +164,7 @@ class InputEmbed(nn.Module):
         # Column ranges of proj.weight for [x | ecapa(ref_mel) | code_emb | spk]
         widths = [c.mel_dim, c.enc_dim, c.emb_dim, c.enc_emb_dim]
         self.cols = [(sum(widths[:i]), sum(widths[:i + 1])) for i in range(4)]
-
-    packed_mel: torch.Tensor | None = None     # part(0) in oneDNN's layout (pack_for_onednn)
-    packed_mel_dtype: torch.dtype = torch.float32
+        self.mel_proj: DiTLinear | None = None   # part(0) as its own packed linear (pack_for_onednn)
 
     def part(self, i: int) -> torch.Tensor:
         a, b = self.cols[i]
@@ -175,8 +173,8 @@ class InputEmbed(nn.Module):
     def mel_terms(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, mel) -> (B, T, D): the ODE state's share of the input projection, the only
         share that changes between evaluations."""
-        if self.packed_mel is not None and not torch.is_autocast_enabled(x.device.type):
-            return packed_linear(x.to(self.packed_mel_dtype), self.packed_mel, None).to(x.dtype)
+        if self.mel_proj is not None and not torch.is_autocast_enabled(x.device.type):
+            return self.mel_proj(x)
         return F.linear(x, self.part(0))
 
 
@@ -467,5 +465,9 @@ class DiTModel(nn.Module):
         for m in lins:
             m.pack_for_onednn(dtype)
         emb = self.input_embed
-        emb.packed_mel, emb.packed_mel_dtype = pack_weight(emb.part(0).to(dtype).contiguous()), dtype
+        mel = emb.part(0)
+        emb.mel_proj = DiTLinear(mel.shape[1], mel.shape[0], bias=False, device=mel.device, dtype=mel.dtype)
+        with torch.no_grad():
+            emb.mel_proj.weight.copy_(mel)
+        emb.mel_proj.pack_for_onednn(dtype)
         return len(lins) + 2 * len(attns) + 1

@@ -81,9 +81,11 @@ class VocoderStage(Stage):
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
         (tests) gives a request's ODE start noise; default: a seeded generator per request."""
         self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
-        stream = settings.stream or StreamConfig.for_dit(model.config.dit_config, model.vocoder.receptive_field())
-        self.stream_config = (replace(stream, first_chunk_size=settings.first_chunk) if settings.first_chunk is not None
-                              else stream)
+        stream = settings.stream or StreamConfig.for_dit(model.config.dit_config,
+                                                         model.vocoder.receptive_field())
+        if settings.first_chunk is not None:
+            stream = replace(stream, first_chunk_size=settings.first_chunk)
+        self.stream_config = stream
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
