@@ -31,8 +31,9 @@ class StreamConfig:
     the window's context (look_back + look_ahead codes computed again per chunk, and the
     vocoder's overlap) over more codes.
     """
-    chunk_size: int = 36                   # defaults: for_dit() of the released model
-    look_ahead: int = 12                   # (24-frame blocks, 2 frames per code)
+    chunk_size: int = 36                   # fixed-size defaults; the vocoder stage uses for_dit()
+    look_ahead: int = 12                   # (released model: 24-frame blocks, 2 frames per code;
+                                           # chunks 48, 24, 48, ... 144, look-ahead 12, look-back 24)
     look_back: int = 24
     vocoder_context: int | None = None
     max_chunk_size: int | None = None      # None: chunks never grow
