@@ -238,8 +238,8 @@ class Attention(nn.Module):
             lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
         self.to_out[0].pack_for_onednn(dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bs: int, back: int,
-                ahead: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, bs: int, back: int, ahead: int,
+                mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         nb, h, d = t // bs, self.heads, self.head_dim
         if self.qkv is not None:
@@ -248,7 +248,7 @@ class Attention(nn.Module):
             qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
         # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
         # q's and k's head 0 rotated in one go.
-        qkv[:, :, :2, 0] = _rotate_interleaved(qkv[:, :, :2, 0], rope)
+        _rotate_head0(qkv, rope)
         q, k, v = qkv.unbind(2)
         qb = q.reshape(b, nb, bs, h, d).transpose(2, 3).reshape(b * nb, h, bs, d)
         kb, vb = (_key_windows(z.reshape(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
@@ -257,15 +257,16 @@ class Attention(nn.Module):
         return self.to_out[0](o)
 
 
-def _rotate_interleaved(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x (B, T, [n,] d) rotated pairwise by angles whose cos, sin are (B, T, d/2), the same for
-    each of the n heads."""
-    pairs = x.unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = rope
-    if x.dim() == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2)
+def _rotate_head0(qkv: torch.Tensor, rope: torch.Tensor) -> None:
+    """In place: head 0 of q and k in qkv (B, T, 3, H, d) rotated pairwise, pair (2i, 2i+1) as
+    the complex number x_2i + i x_2i+1 times rope (B, T, 1, d/2) = cos + i sin of its angle:
+    (x0 cos - x1 sin, x1 cos + x0 sin). One complex multiply over the strided view, where the
+    real form took eight passes and a stack (~110 us against ~17 per layer on a first chunk)."""
+    part = qkv[:, :, :2, 0].unflatten(-1, (-1, 2))                   # (B, T, 2, d/2, 2)
+    if part.dtype == torch.float32:
+        torch.view_as_complex(part).mul_(rope)
+    else:         # bf16 under autocast: no complex type; rotated in float32, written back
+        part.copy_(torch.view_as_real(torch.view_as_complex(part.float()) * rope))
 
 
 def _key_windows(z: torch.Tensor, back: int, ahead: int) -> torch.Tensor:
@@ -346,7 +347,7 @@ class DiTBlock(nn.Module):
         self.attn = Attention(c)
         self.ff = FeedForward(c.hidden_size, c.ff_mult)
 
-    def forward(self, x: torch.Tensor, mods: list[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, mods: list[torch.Tensor], rope: torch.Tensor,
                 bs: int, mask: torch.Tensor | None) -> torch.Tensor:
         """mods: this block's attn_norm(temb), six (1, D) modulation vectors."""
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
@@ -402,17 +403,18 @@ class DiTModel(nn.Module):
         e = self.text_embed.codec_embed(codes) @ self.input_embed.part(2).T
         return e.repeat_interleave(self.repeats, dim=0)
 
-    def rope_angles(self, layout: BatchLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, T, head_dim/2) of each row's absolute frame positions."""
+    def rope_angles(self, layout: BatchLayout, device: torch.device) -> torch.Tensor:
+        """(B, T, 1, head_dim/2) complex64: cos + i sin of each row's absolute frame positions'
+        angles (see _rotate_head0)."""
         d = self.config.head_dim
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
         pos = (torch.tensor(layout.offsets, device=device).view(-1, 1)
                + torch.arange(layout.frames, device=device))
         ang = pos.unsqueeze(-1).float() * inv
-        return ang.cos(), ang.sin()
+        return torch.complex(ang.cos(), ang.sin()).unsqueeze(2)
 
     def forward(self, x: torch.Tensor, static: torch.Tensor, t: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor],
+                rope: torch.Tensor,
                 masks: dict[tuple[int, int], torch.Tensor | None]) -> torch.Tensor:
         """x (B, T, mel), static (B, T, D) per-row constant input terms, t 0-d (shared by all rows)
         -> velocity (B, T, mel). rope, masks: rope_angles() and masks_for() of the batch's layout,
