@@ -31,6 +31,7 @@ SOURCES = {
     "paged_attention.c": [ATTENTION, (*ATTENTION, "-DKV_BF16=1")],
     "decoder_stack.c": [()],
     "snake.c": [()],
+    "aa_snake.c": [()],
     "code2wav_unit.c": [()],
 }
 

@@ -21,6 +21,7 @@ from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
+from omnistage.models.qwen2_5_omni.bigvgan import use_native_activations
 from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
 from omnistage.models.qwen2_5_omni.loader import (bridge_constants, load_lm, load_speakers,
                                                   talker_tokens)
@@ -120,7 +121,8 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         if settings.vocoder.bf16_dit and not packed:
             t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
         if config.linear_kernel != "matmul":
-            use_native_snake(t2w.vocoder)  # BigVGAN's activations in one pass each
+            use_native_activations(t2w.vocoder)   # BigVGAN's anti-aliased activations in one pass each
+            use_native_snake(t2w.vocoder)         # their SnakeBeta in one pass where those did not build
         stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
         stage.warm_up()
         return stage

@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen2_5OmniToken2WavConfig, Qwen2_5OmniToken2WavModel
 
 from omnistage.errors import CheckpointError, InvalidRequestError
-from omnistage.models.qwen2_5_omni.bigvgan import VocoderStream
+from omnistage.models.qwen2_5_omni.bigvgan import AntiAliasedSnake, VocoderStream, use_native_activations
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavRequest
 from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig, Token2WavStream, step_streams
 from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout
@@ -79,6 +79,26 @@ def test_decode_matches_transformers(models, guidance):
     torch.testing.assert_close(mel, mel_hf[0].T, atol=1e-5, rtol=1e-5)
     assert wav.dtype == torch.float32 and wav.shape == (codes.numel() * 2 * 240,)
     assert wav.abs().max() > 0.05           # a real signal, not a silent net
+    torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
+
+
+def test_native_vocoder_activations_match_transformers(models):
+    """The vocoder with its anti-aliased activations as one native pass each
+    (use_native_activations, as the serving recipe builds it) against transformers' waveform;
+    atol 1e-5 (peak ~0.5)."""
+    hf, ours = models
+    native = Token2Wav(hf.config)
+    native.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+    assert use_native_activations(native.vocoder) == len(
+        [m for m in native.vocoder.modules() if isinstance(m, AntiAliasedSnake)]) > 0
+    codes, cond, ref = utterance(29, seed=7)
+    torch.manual_seed(9)
+    noise = torch.randn(1, 2 * codes.numel(), MEL)
+    with torch.no_grad():
+        torch.manual_seed(9)
+        wav_hf = hf(codes[None], cond, ref, num_steps=10, guidance_scale=0.5, sway_coefficient=-1.0)
+    wav = native.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
+    assert wav.abs().max() > 0.05
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
 
 
