@@ -37,6 +37,9 @@ class OmniRequest(msgspec.Struct):
     talker_params: SamplingParams | None          # None: text only
     speaker: str = ""
     keep_hidden: bool = False    # the thinker keeps its prompt's hidden rows (a speaking prompt)
+    # A spoken turn prefilled while still spoken (OutputOptions.prefill_only, a speaking session):
+    # the talker prefills its rows too, so that at commit its prefix cache holds them.
+    warm_talker: bool = False
 
 
 class EncodeJob(msgspec.Struct):

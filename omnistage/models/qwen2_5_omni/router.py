@@ -29,6 +29,7 @@ from omnistage.models.qwen2_5_omni.messages import (AudioChunk, CodecChunk, Enco
                                                     OmniRequest)
 from omnistage.models.qwen2_5_omni.talker import TalkerTokens
 from omnistage.outputs import Delta
+from omnistage.sampling_params import SamplingParams
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.ar import ARFeed, ARRequest, ARStepOutput
 
@@ -54,6 +55,7 @@ class _Flow:
     req: OmniRequest
     mm_mask: torch.Tensor | None          # (P,) bool: prompt positions fed by encoders
     want_audio: bool
+    warm_talker: bool = False             # prefill only: the talker prefills the prompt rows, no reply
     prompt_rows: list[torch.Tensor] = field(default_factory=list)   # (n, H) chunks
     rows_seen: int = 0                    # thinker positions whose vectors arrived
     talker_started: bool = False
@@ -71,7 +73,8 @@ class OmniRouter:
         self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
         if audio_output:
             self.edges += [Edge("thinker", "talker"), Edge("thinker", "token2wav"),
-                           Edge("talker", "token2wav"), Edge("token2wav", CLIENT)]
+                           Edge("talker", "token2wav"), Edge("token2wav", CLIENT),
+                           Edge("talker", CLIENT)]          # the end of a warm prefill (_warm_talker)
 
     def unfinished(self) -> set[str]:
         return set(self.flows)
@@ -85,8 +88,9 @@ class OmniRouter:
         ids = torch.tensor(req.prompt_token_ids)
         mm = torch.isin(ids, torch.tensor([self.c.audio_token_id, self.c.image_token_id,
                                            self.c.video_token_id]))
-        self.flows[req.request_id] = _Flow(req, mm if req.media else None, want_audio,
-                                           audio_done=not want_audio)
+        warm = req.warm_talker and not want_audio
+        self.flows[req.request_id] = _Flow(req, mm if req.media else None, want_audio, warm,
+                                           audio_done=not (want_audio or warm))
         if req.media:
             return [("encoder", EncodeJob(req.request_id, req.media))]
         return [("thinker", self._thinker_request(req, None, None))]
@@ -122,7 +126,7 @@ class OmniRouter:
         if flow.want_audio and not flow.stream_opened:
             flow.stream_opened = True
             out.append(("token2wav", self._codec_chunk(flow, [], False)))
-        if flow.want_audio and o.hidden_states is not None:
+        if (flow.want_audio or flow.warm_talker) and o.hidden_states is not None:
             out += self._talker_inputs(flow, o)
         if o.token_ids or o.text:
             out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids, logprobs=o.logprobs,
@@ -131,6 +135,8 @@ class OmniRouter:
             flow.text_done, flow.finish_reason = True, o.finish_reason
             if flow.want_audio:
                 out += self._thinker_finished(flow)
+            elif flow.warm_talker:
+                out += self._warm_talker(flow)
             out += reply_done(flow, flow.req.request_id)
         return out
 
@@ -143,6 +149,8 @@ class OmniRouter:
             keep = (~flow.mm_mask[start:start + hidden.shape[0]]).unsqueeze(1).to(embeds.dtype) \
                 if flow.mm_mask is not None else 1.0
             flow.prompt_rows.append(embeds * keep + hidden)
+            return []
+        if flow.warm_talker:
             return []
         reply = embeds + hidden                        # (n, H), n == 1 in decode steps
         if not flow.talker_started:
@@ -163,6 +171,22 @@ class OmniRouter:
                          mrope_positions=req.talker_mrope_positions,
                          position_delta=req.talker_position_delta, fed=True)
 
+    def _warm_talker(self, flow: _Flow) -> list[tuple[str, object]]:
+        """A prefill-only turn's prompt rows prefilled by the talker as well (one code sampled
+        and dropped): at commit the response's talker prompt starts with the same rows (the
+        thinker's, bit for bit from its prefix cache), so its prefix cache skips them."""
+        rows, req = flow.prompt_rows, flow.req
+        flow.prompt_rows = []
+        n = sum(r.shape[0] for r in rows)
+        if not n or req.talker_mrope_positions is None:
+            flow.audio_done = True                     # (the caller sends the reply's end)
+            return []
+        params = SamplingParams(temperature=0, max_tokens=1)
+        return [("talker", ARRequest(req.request_id, [self.c.tokens.codec_mask] * n, params,
+                                     prompt_embeds=torch.cat(rows),
+                                     mrope_positions=req.talker_mrope_positions[:, :n],
+                                     position_delta=req.talker_position_delta))]
+
     def _thinker_finished(self, flow: _Flow) -> list[tuple[str, object]]:
         if not flow.talker_started:
             # The thinker stopped at its first token: no reply vector exists to start the
@@ -174,6 +198,9 @@ class OmniRouter:
                                   fill=self.c.text_pad_embed))]
 
     def _from_talker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
+        if flow.warm_talker:           # its one code is not an answer
+            flow.audio_done = o.finished
+            return reply_done(flow, flow.req.request_id)
         codes = o.token_ids
         if o.finished and o.finish_reason == "stop" and codes and codes[-1] in self.c.tokens.stop_ids:
             codes = codes[:-1]
