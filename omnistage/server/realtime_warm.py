@@ -6,9 +6,9 @@ piece by piece from the turn's first sample: `StreamResampler`'s outputs joined 
 bit for bit). About every WARM_EVERY_S of new audio the session runs the conversation plus the
 turn so far through the engine as a `prefill_only` request (one in flight per session): its
 encoder chunks land in the encoder's cache and its KV blocks (and the hidden rows the talker
-reads) in the thinker's prefix cache; a speaking model's talker prefills those rows as well (into
-its own prefix cache: Qwen2.5-Omni, where a 15 s turn's ~400 talker rows cost ~25 ms at commit on
-the small checkpoint). When the turn is committed, the response's request finds them and
+reads) in the thinker's prefix cache; a speaking model's talker prefills those rows as well, into
+its own prefix cache (Qwen2.5-Omni and Qwen3-Omni; a 15 s turn's ~400 talker rows cost ~25 ms at
+commit on the small Qwen2.5-Omni). When the turn is committed, the response's request finds them and
 computes only what is new: the last audio, the closing tokens, the answer.
 
 Nothing stale can be used, by construction: both caches are keyed by content (the encoder's by

@@ -100,8 +100,9 @@ class Qwen3OmniPipeline(GraphPipeline):
         params = self.resolve(pp, params)
         talker_params, speaker_id, assistant_at, t_pos, t_delta = None, -1, -1, None, 0
         speaks, params = opts.wants_audio(self.abilities), opts.text_params(params)
-        if speaks and not opts.prefill_only:
+        if speaks:
             t_pos, t_delta = talker_positions(pp, self.talker_layout, self.rope)
+        if speaks and not opts.prefill_only:
             speaker_id = self._voice(opts.voice)
             assistant_at = self._assistant_turn(pp.token_ids)
             talker_params = opts.talker_params or self.abilities.talker_defaults
@@ -111,7 +112,7 @@ class Qwen3OmniPipeline(GraphPipeline):
                     {*talker_params.suppress_token_ids, *suppress}))
         req = Qwen3OmniRequest(request_id, pp.token_ids, pp.positions, pp.position_delta, pp.media,
                                params, talker_params, speaker_id, assistant_at, t_pos, t_delta,
-                               keep_hidden=speaks)
+                               keep_hidden=speaks, warm_talker=speaks and opts.prefill_only)
         self.graph.add_request(request_id, req)
 
     def _voice(self, voice: str | None) -> int:

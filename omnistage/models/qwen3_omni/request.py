@@ -22,3 +22,6 @@ class Qwen3OmniRequest(msgspec.Struct):
     talker_mrope_positions: torch.Tensor | None = None   # (3, talker prompt length)
     talker_position_delta: int = 0
     keep_hidden: bool = False    # the thinker exports its prompt's hidden rows (a speaking prompt)
+    # A spoken turn prefilled while still spoken (OutputOptions.prefill_only, a speaking session):
+    # the talker prefills the user turns' rows too, so that at commit its prefix cache holds them.
+    warm_talker: bool = False

@@ -28,6 +28,7 @@ from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, EncodedMedia, Ta
                                                   TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
 from omnistage.outputs import Delta
+from omnistage.sampling_params import SamplingParams
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.ar import ARRequest, ARStepOutput
 
@@ -51,6 +52,7 @@ class BridgeIds:
 class _Flow:
     req: Qwen3OmniRequest
     want_audio: bool
+    warm_talker: bool = False            # prefill only: the talker prefills the user rows, no reply
     embeds: list[torch.Tensor] = field(default_factory=list)    # thinker rows as they come (n, Ht)
     hidden: list[torch.Tensor] = field(default_factory=list)
     rows_seen: int = 0
@@ -66,7 +68,8 @@ class Qwen3OmniRouter:
         self.flows: dict[str, _Flow] = {}
         self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
         if audio_output:
-            self.edges += [Edge("thinker", "talker"), Edge("talker", "code2wav"), Edge("code2wav", CLIENT)]
+            self.edges += [Edge("thinker", "talker"), Edge("talker", "code2wav"), Edge("code2wav", CLIENT),
+                           Edge("talker", CLIENT)]          # the end of a warm prefill (_warm_talker)
 
     def unfinished(self) -> set[str]:
         return set(self.flows)
@@ -76,7 +79,8 @@ class Qwen3OmniRouter:
 
     def start(self, req: Qwen3OmniRequest) -> list[tuple[str, object]]:
         want_audio = req.talker_params is not None
-        self.flows[req.request_id] = _Flow(req, want_audio, audio_done=not want_audio)
+        warm = req.warm_talker and not want_audio
+        self.flows[req.request_id] = _Flow(req, want_audio, warm, audio_done=not (want_audio or warm))
         if req.media:
             return [("encoder", EncodeJob(req.request_id, req.media))]
         return [("thinker", self._thinker_request(req, None, None))]
@@ -98,6 +102,9 @@ class Qwen3OmniRouter:
         if out.stage == "thinker":
             return self._from_thinker(flow, out.payload)
         if out.stage == "talker":
+            if flow.warm_talker:        # its one frame is not an answer
+                flow.audio_done = out.final
+                return reply_done(flow, flow.req.request_id)
             return [("code2wav", out.payload)]
         return audio_deltas(flow, flow.req.request_id, out.payload)
 
@@ -121,6 +128,9 @@ class Qwen3OmniRouter:
         out: list[tuple[str, object]] = []
         if flow.want_audio and o.hidden_states is not None:
             out += self._talker_inputs(flow, o)
+        elif flow.warm_talker and o.hidden_states is not None:
+            flow.embeds.append(o.input_embeds)
+            flow.hidden.append(o.hidden_states)
         if o.token_ids or o.text:
             out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids, logprobs=o.logprobs,
                                       num_prompt_tokens=o.num_prompt_tokens)))
@@ -133,6 +143,8 @@ class Qwen3OmniRouter:
                     # The thinker stopped before its reply's first row existed (it ended at its
                     # first token): transformers fails here; the answer has no audio.
                     flow.audio_done = True
+            elif flow.warm_talker:
+                out += self._warm_talker(flow)
             out += reply_done(flow, flow.req.request_id)
         return out
 
@@ -152,14 +164,40 @@ class Qwen3OmniRouter:
             out.append(("talker", TalkerText(flow.req.request_id, embeds[first + 1:])))
         return out
 
-    def _talker_start(self, req: Qwen3OmniRequest, embeds: torch.Tensor, hidden: torch.Tensor) -> TalkerStart:
-        """The talker's prompt (see the module docstring) from the thinker's rows so far."""
-        ids, c = self.ids, self.ids.codec
+    def _warm_talker(self, flow: _Flow) -> list[tuple[str, object]]:
+        """A prefill-only turn's user rows prefilled by the talker as well (one code sampled and
+        dropped): at commit the response's talker prompt starts with the same rows (the
+        thinker's, bit for bit from its prefix cache), so its prefix cache skips them."""
+        req = flow.req
+        if not flow.embeds:
+            flow.audio_done = True                     # (the caller sends the reply's end)
+            return []
+        rows, kinds = self._user_rows(req, torch.cat(flow.embeds), torch.cat(flow.hidden))
+        flow.embeds, flow.hidden = [], []
+        if not kinds:
+            flow.audio_done = True
+            return []
+        pos = req.talker_mrope_positions
+        return [("talker", TalkerStart(req.request_id, rows, kinds, [-1] * len(kinds),
+                                       SamplingParams(temperature=0, max_tokens=1),
+                                       mrope_positions=None if pos is None else pos[:, :len(kinds)],
+                                       position_delta=req.talker_position_delta))]
+
+    def _user_rows(self, req: Qwen3OmniRequest, embeds: torch.Tensor,
+                   hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The talker prompt's first part: the user turns' rows (media positions: the thinker's
+        hidden states; text: its input embeddings) and their kinds."""
+        ids = self.ids
         tokens = torch.tensor(req.prompt_token_ids)
         user = user_positions(tokens, ids.im_start, ids.user)
         media = torch.isin(tokens, torch.tensor(ids.media)) & user
         rows = torch.where(media.unsqueeze(1), hidden[:len(tokens)], embeds[:len(tokens)])[user]
-        kinds = [HIDDEN if m else TEXT for m in media[user].tolist()]
+        return rows, [HIDDEN if m else TEXT for m in media[user].tolist()]
+
+    def _talker_start(self, req: Qwen3OmniRequest, embeds: torch.Tensor, hidden: torch.Tensor) -> TalkerStart:
+        """The talker's prompt (see the module docstring) from the thinker's rows so far."""
+        ids, c = self.ids, self.ids.codec
+        rows, kinds = self._user_rows(req, embeds, hidden)
         a = req.assistant_at
         pad, bos = ids.tts_pad_row.to(embeds), ids.tts_bos_row.to(embeds)
         tail = torch.cat([embeds[a:a + HEADER], pad.expand(4, -1), bos[None], embeds[a + HEADER:a + HEADER + 1]])
