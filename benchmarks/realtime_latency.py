@@ -236,7 +236,8 @@ def main() -> None:
     p.add_argument("--modes", default="manual,vad",
                    help="manual, vad, bargein (vad, the turn spoken over a long answer)")
     p.add_argument("--silence-ms", type=int, default=500, help="server_vad silence_duration_ms")
-    p.add_argument("--max-tokens", type=int, default=48, help="answer length bound (tokens)")
+    p.add_argument("--max-tokens", type=int, default=48,
+                   help="answer length bound (tokens); first audio grows with it up to ~60 on Qwen2.5-Omni: the talker reads one thinker row per code, and the first chunk needs 60 codes")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--port", type=int, default=8123,
                    help="first variant's port, the next ones count up (0: free ports)")
