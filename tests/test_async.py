@@ -253,19 +253,40 @@ def test_bad_requests_fail_only_themselves(llm, reference):
 
 
 def test_duplicate_request_id_fails_only_the_duplicate(llm, reference):
+    """The first "dup" runs to the context limit (~470 steps): it is surely in flight when the
+    duplicate arrives (with 12 tokens it could finish first on a busy machine, and the id was
+    free again). It goes on unaffected: its tokens are the greedy reference's; closing its
+    stream aborts it (the abort queued before the next add), and the id serves a new request."""
+    want = reference[5][0]
+
     async def main():
-        first_delta = asyncio.Event()
+        first_delta, refused = asyncio.Event(), asyncio.Event()
 
-        async def mark(d, deltas):
-            first_delta.set()
+        async def first_stream() -> list[int]:
+            long = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+            stream, tokens = llm.generate(PROMPTS[5], long, request_id="dup"), []
+            try:
+                async for d in stream:
+                    tokens += d.token_ids
+                    first_delta.set()
+                    if len(tokens) >= len(want):
+                        await asyncio.wait_for(refused.wait(), WAIT_S)
+                        break
+            finally:
+                await stream.aclose()
+            return tokens
 
-        first = asyncio.create_task(collect(llm, PROMPTS[5], request_id="dup", on_delta=mark))
+        first = asyncio.create_task(first_stream())
         await asyncio.wait_for(first_delta.wait(), WAIT_S)
         with pytest.raises(InvalidRequestError, match="already in use"):
             await collect(llm, PROMPTS[1], request_id="dup")
-        return await asyncio.wait_for(first, WAIT_S)
+        refused.set()
+        tokens = await asyncio.wait_for(first, WAIT_S)
+        return tokens, await asyncio.wait_for(collect(llm, PROMPTS[5], request_id="dup"), WAIT_S)
 
-    check_complete(run(main()), reference[5])
+    tokens, again = run(main())
+    assert tokens[:len(want)] == want
+    check_complete(again, reference[5])
 
 
 # ---- shutdown -----------------------------------------------------------------------------
