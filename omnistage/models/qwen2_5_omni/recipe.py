@@ -121,8 +121,10 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         if settings.vocoder.bf16_dit and not packed:
             t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
         if config.linear_kernel != "matmul":
-            use_native_activations(t2w.vocoder)   # BigVGAN's anti-aliased activations in one pass each
-            use_native_snake(t2w.vocoder)         # their SnakeBeta in one pass where those did not build
+            # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
+            # build, at least their SnakeBeta (the torch path then runs it)
+            if not use_native_activations(t2w.vocoder):
+                use_native_snake(t2w.vocoder)
         stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
         stage.warm_up()
         return stage

@@ -55,6 +55,18 @@ def utterance(n_codes: int, seed: int, ref_frames: int = 30):
 
 # ---------------------------------------------------------------- parity with transformers
 
+def seeded_noise_and_hf_wav(hf, codes, cond, ref, seed: int, guidance: float = 0.5):
+    """The ODE's start noise (1, 2T, mel) and transformers' waveform from the same noise:
+    `sample` draws it with torch.randn as its first random op, so seeding before each gives
+    both the same tensor."""
+    torch.manual_seed(seed)
+    noise = torch.randn(1, 2 * codes.numel(), MEL)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        wav = hf(codes[None], cond, ref, num_steps=10, guidance_scale=guidance, sway_coefficient=-1.0)
+    return noise, wav
+
+
 @pytest.mark.parametrize("guidance", [0.5, 0.0])
 def test_decode_matches_transformers(models, guidance):
     """Same initial noise by seeding: transformers draws it with torch.randn([1, 2T, mel]) as the
@@ -92,11 +104,7 @@ def test_native_vocoder_activations_match_transformers(models):
     assert use_native_activations(native.vocoder) == len(
         [m for m in native.vocoder.modules() if isinstance(m, AntiAliasedSnake)]) > 0
     codes, cond, ref = utterance(29, seed=7)
-    torch.manual_seed(9)
-    noise = torch.randn(1, 2 * codes.numel(), MEL)
-    with torch.no_grad():
-        torch.manual_seed(9)
-        wav_hf = hf(codes[None], cond, ref, num_steps=10, guidance_scale=0.5, sway_coefficient=-1.0)
+    noise, wav_hf = seeded_noise_and_hf_wav(hf, codes, cond, ref, seed=9)
     wav = native.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
     assert wav.abs().max() > 0.05
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
@@ -400,11 +408,8 @@ def test_growing_stream_close_to_transformers_whole_decode(models, max_chunk):
         sizes = [cfg.chunk(k) for k in range(6)]
         assert sizes[0] == 16 and sizes == sorted(sizes) and max(sizes) == max_chunk
     codes, cond, ref = utterance(150, seed=11)
-    torch.manual_seed(6)
-    noise = torch.randn(1, 2 * codes.numel(), MEL)
+    noise, wav_hf = seeded_noise_and_hf_wav(hf, codes, cond, ref, seed=6)
     with torch.no_grad():
-        torch.manual_seed(6)
-        wav_hf = hf(codes[None], cond, ref, num_steps=10, guidance_scale=0.5, sway_coefficient=-1.0)
         torch.manual_seed(6)
         mel_hf = hf.code2wav_dit_model.sample(cond, ref, codes[None], num_steps=10,
                                               guidance_scale=0.5, sway_coefficient=-1.0)[0].T
