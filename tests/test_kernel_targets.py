@@ -33,6 +33,7 @@ SOURCES = {
     "snake.c": [()],
     "aa_snake.c": [()],
     "code2wav_unit.c": [()],
+    "window_attention.c": [("-DHEAD_DIM=64", "-DBLOCK=24")],
 }
 
 

@@ -121,6 +121,7 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         if settings.vocoder.bf16_dit and not packed:
             t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
         if config.linear_kernel != "matmul":
+            t2w.dit.use_native_attention()     # each layer's block windows in one native call
             # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
             # build, at least their SnakeBeta (the torch path then runs it)
             if not use_native_activations(t2w.vocoder):

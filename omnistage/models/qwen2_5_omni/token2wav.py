@@ -127,7 +127,7 @@ class OdeSolve:
         self.cfg_idx = torch.tensor(cfg, device=dev, dtype=torch.long)
         self.scale = torch.tensor([jobs[i].guidance_scale for i in cfg], device=dev,
                                   dtype=self.x.dtype).view(-1, 1, 1)
-        self.rope, self.masks = dit.rope_angles(layout, dev), dit.masks_for(layout, dev)
+        self.rope, self.windows = dit.rope_angles(layout, dev), dit.windows_for(layout, dev)
         self.all_cfg = len(cfg) == n
         self.grid = time_grid(steps, sway, dev)
         self.interval = 0                       # RK4 intervals done (of len(grid) - 1)
@@ -139,7 +139,7 @@ class OdeSolve:
     def _velocity(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n, cfg = self.n, self.cfg
         xr = torch.cat([x, x if self.all_cfg else x[self.cfg_idx]]) if cfg else x
-        out = self.dit(xr, self.static, t, self.rope, self.masks)
+        out = self.dit(xr, self.static, t, self.rope, self.windows)
         v = out[:n]
         if self.all_cfg:
             v = v + (v - out[n:]) * self.scale

@@ -110,12 +110,32 @@ def test_native_vocoder_activations_match_transformers(models):
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
 
 
+def test_native_dit_attention_matches_transformers(models):
+    """The DiT with each layer's attention as one native call (use_native_attention, as the
+    serving recipe builds it) against transformers' waveform; atol 1e-5 (peak ~0.5)."""
+    hf, _ = models
+    native = Token2Wav(hf.config)
+    native.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+    assert native.dit.use_native_attention() == DIT["num_hidden_layers"]
+    codes, cond, ref = utterance(29, seed=7)
+    noise, wav_hf = seeded_noise_and_hf_wav(hf, codes, cond, ref, seed=9)
+    wav = native.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
+    assert wav.abs().max() > 0.05
+    torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("offset_blocks", [0, 3])
-def test_dit_pass_matches_transformers(models, offset_blocks):
+def test_dit_pass_matches_transformers(models, offset_blocks, native):
     """One guided DiT evaluation over 74 frames (not a block multiple: padding is exercised);
     the frame offset shifts RoPE positions, which attention must not see (RoPE is relative).
-    atol/rtol 1e-5 as above (|v| <= 2; measured max difference 7e-7)."""
+    atol/rtol 1e-5 as above (|v| <= 2; measured max difference 7e-7). `native`: the attention
+    as one native call per layer (use_native_attention)."""
     hf, ours = models
+    if native:
+        ours = Token2Wav(hf.config)
+        ours.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+        assert ours.dit.use_native_attention() == DIT["num_hidden_layers"]
     codes, cond, ref = utterance(37, seed=2)
     frames = 2 * codes.numel()
     x = torch.randn(1, frames, MEL, generator=torch.Generator().manual_seed(3))
@@ -132,7 +152,7 @@ def test_dit_pass_matches_transformers(models, offset_blocks):
         static[1, :frames] = spk.uncond
         xr = torch.zeros(2, padded, MEL)
         xr[:, :frames] = x
-        got = dit(xr, static, t, dit.rope_angles(layout, xr.device), dit.masks_for(layout, xr.device))
+        got = dit(xr, static, t, dit.rope_angles(layout, xr.device), dit.windows_for(layout, xr.device))
     torch.testing.assert_close(got[:, :frames], want, atol=1e-5, rtol=1e-5)
 
 

@@ -1,0 +1,197 @@
+/* Block-window attention (Qwen2.5-Omni's token2wav DiT): the frames of each row are cut into
+ * blocks of BLOCK; every query of block j sees the keys of blocks j - back .. j + ahead.
+ *
+ * The PyTorch path builds each block's key and value windows (a copy of K and V per window
+ * slot), reshapes queries and outputs to and from (block, head) order, and calls SDPA with a
+ * boolean mask over many tiny (BLOCK x window) problems, where its per-problem overhead is
+ * most of the time. Here one call reads q, k and v where the fused q|k|v projection wrote
+ * them and writes the output in the layout the output projection takes.
+ *
+ * Compiled per shape (HEAD_DIM, BLOCK as -D constants, see window_attention.py).
+ *
+ * Layouts (float32, contiguous):
+ *   qkv     (B, T, 3, H, HEAD_DIM)  T = nb * BLOCK frames per row; q, k, v of each frame
+ *   lengths (B,) int64              valid frames of each row (the rest is padding)
+ *   out     (B, T, H * HEAD_DIM)
+ *
+ * Which keys a query sees (the same as token2wav_dit.window_mask with SDPA): a valid query
+ * (frame < lengths[b]) sees the valid keys of its window; a padding query sees its whole
+ * window, where the blocks outside the row are zero keys and zero values (its output is never
+ * used; it must only be finite). Every valid query sees at least itself.
+ *
+ * Numerics: scores are float32 dot products of the scaled query with each key; softmax
+ * subtracts the row's maximum, exponentiates with vexp (about 2 ulp) and divides the weighted
+ * sum of V by the sum of the weights at the end. Only the order of additions differs from
+ * softmax(q k^T) v.
+ *
+ * Work: one task per (row, block, head), split with OpenMP (torch's runtime, as the other
+ * kernels). Four queries at a time share each load of K (scores) and of V (weighted sums). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if HEAD_DIM % 16 != 0 || BLOCK % 4 != 0
+#error "HEAD_DIM must be a multiple of 16 and BLOCK a multiple of 4"
+#endif
+
+#include "vec16.h"                    /* vf (16 lanes), load, store, splat, vexp, max / sum */
+
+#define CHUNKS (HEAD_DIM / LANES)
+#define MAX_SLOTS 8                   /* blocks per window: back + 1 + ahead <= MAX_SLOTS */
+#define MAX_KEYS (MAX_SLOTS * BLOCK)
+/* Partial sums per score vector: two chains per query where there are 32 vector registers
+ * (8 accumulators in flight), one where 16 (AVX2: two registers per vector). */
+#ifdef __AVX512F__
+#define SPLIT 2
+#else
+#define SPLIT 1
+#endif
+
+/* One thread's scratch. Rows of kt, s and allowed are `span` floats apart: the window's keys
+ * rounded up to whole vectors (not MAX_KEYS: the transposed keys then stay in L1). */
+typedef struct {
+    float q[BLOCK][HEAD_DIM];         /* scaled queries */
+    const float *v[MAX_KEYS];         /* each key's value row, NULL outside the row */
+    int64_t span;
+    float *kt;                        /* (HEAD_DIM, span) the window's keys, transposed; zeros
+                                         outside the row */
+    float *s;                         /* (BLOCK, span) scores, then weights */
+    float *allowed;                   /* (2, span) 0 / -inf per key: valid queries, padding ones */
+} Scratch;
+
+#define KT(w, d) ((w)->kt + (d) * (w)->span)
+#define S(w, r) ((w)->s + (r) * (w)->span)
+#define ALLOWED(w, pad) ((w)->allowed + (pad) * (w)->span)
+
+typedef struct {
+    const float *qkv;
+    float *out;
+    const int64_t *lengths;
+    int64_t frames, heads, back, ahead;
+    float scale;
+} Problem;
+
+/* The window of block j in row b, head h: keys transposed, value rows, masks. Returns the
+ * number of keys (slots * BLOCK). */
+static int64_t gather_window(Scratch *w, const Problem *p, int64_t b, int64_t j, int64_t h) {
+    const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd, nb = p->frames / BLOCK;
+    const int64_t slots = p->back + 1 + p->ahead, keys = slots * BLOCK, len = p->lengths[b];
+    const float *row = p->qkv + b * p->frames * frame;
+    for (int64_t i = 0; i < slots; i++) {
+        const int64_t jb = j - p->back + i;
+        const int inside = jb >= 0 && jb < nb;
+        for (int64_t r = 0; r < BLOCK; r++) {
+            const int64_t kk = i * BLOCK + r, t = jb * BLOCK + r;
+            if (inside) {
+                const float *k = row + t * frame + hd + h * HEAD_DIM;
+                for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = k[d];
+                w->v[kk] = row + t * frame + 2 * hd + h * HEAD_DIM;
+            } else {
+                for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = 0.0f;
+                w->v[kk] = NULL;
+            }
+            ALLOWED(w, 0)[kk] = inside && t < len ? 0.0f : -INFINITY;
+            ALLOWED(w, 1)[kk] = 0.0f;
+        }
+    }
+    for (int64_t kk = keys; kk < w->span; kk++) {       /* lanes past the window */
+        for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = 0.0f;
+        ALLOWED(w, 0)[kk] = ALLOWED(w, 1)[kk] = -INFINITY;
+    }
+    return keys;
+}
+
+/* Scores of queries r0..r0+3 against every key, masked, turned into weights; returns their
+ * sums in sums[0..3]. */
+static void weights4(Scratch *w, int64_t r0, const int pad[4], float sums[4]) {
+    const int64_t span = w->span;
+    float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    for (int64_t k0 = 0; k0 < span; k0 += LANES) {
+        vf a[4][SPLIT];
+        for (int g = 0; g < 4; g++)
+            for (int i = 0; i < SPLIT; i++) a[g][i] = (vf){};
+        for (int d = 0; d < HEAD_DIM; d += SPLIT)
+            for (int i = 0; i < SPLIT; i++) {
+                const vf k = load(KT(w, d + i) + k0);
+                for (int g = 0; g < 4; g++) a[g][i] += w->q[r0 + g][d + i] * k;
+            }
+        for (int g = 0; g < 4; g++) {
+            vf sc = load(ALLOWED(w, pad[g]) + k0);
+            for (int i = 0; i < SPLIT; i++) sc += a[g][i];
+            store(S(w, r0 + g) + k0, sc);
+            const float m = max_lanes(sc);
+            mx[g] = m > mx[g] ? m : mx[g];
+        }
+    }
+    for (int g = 0; g < 4; g++) {
+        vf total = (vf){};
+        for (int64_t k0 = 0; k0 < span; k0 += LANES) {
+            const vf e = vexp(load(S(w, r0 + g) + k0) - mx[g]);
+            store(S(w, r0 + g) + k0, e);
+            total += e;
+        }
+        sums[g] = sum_lanes(total);
+    }
+}
+
+static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int64_t h) {
+    const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd;
+    const int64_t keys = gather_window(w, p, b, j, h), first = j * BLOCK;
+    const float *q = p->qkv + (b * p->frames + first) * frame + h * HEAD_DIM;
+    for (int64_t r = 0; r < BLOCK; r++)
+        for (int d = 0; d < HEAD_DIM; d++) w->q[r][d] = q[r * frame + d] * p->scale;
+    float *out = p->out + (b * p->frames + first) * hd + h * HEAD_DIM;
+    for (int64_t r0 = 0; r0 < BLOCK; r0 += 4) {
+        int pad[4];
+        float sums[4];
+        for (int g = 0; g < 4; g++) pad[g] = first + r0 + g >= p->lengths[b];
+        weights4(w, r0, pad, sums);
+        /* One 16-value chunk of the four outputs at a time: 4 accumulators (8 registers where
+         * vectors are 256 bits), each V chunk loaded once for the four. */
+        for (int c = 0; c < CHUNKS; c++) {
+            vf o[4] = {};
+            for (int64_t kk = 0; kk < keys; kk++) {
+                const float *v = w->v[kk];
+                if (v == NULL) continue;                    /* a zero value row */
+                const vf vr = load(v + c * LANES);
+                for (int g = 0; g < 4; g++) o[g] += S(w, r0 + g)[kk] * vr;
+            }
+            for (int g = 0; g < 4; g++) store(out + (r0 + g) * hd + c * LANES, o[g] * (1.0f / sums[g]));
+        }
+    }
+}
+
+/* Returns 0, -1 when a thread could not allocate its scratch, -2 for a window wider than
+ * MAX_SLOTS blocks or frames not a whole number of blocks. */
+int window_attention_f32(const float *qkv, float *out, const int64_t *lengths, int64_t batch,
+                         int64_t frames, int64_t heads, int64_t back, int64_t ahead, float scale) {
+    if (back < 0 || ahead < 0 || back + 1 + ahead > MAX_SLOTS || frames % BLOCK) return -2;
+    const Problem p = {qkv, out, lengths, frames, heads, back, ahead, scale};
+    const int64_t nb = frames / BLOCK, tasks = batch * nb * heads;
+    const int64_t span = ((back + 1 + ahead) * BLOCK + LANES - 1) / LANES * LANES;
+    const size_t head = (sizeof(Scratch) + 63) / 64 * 64;
+    const size_t bytes = head + (HEAD_DIM + BLOCK + 2) * span * sizeof(float);
+    int failed = 0;
+    #pragma omp parallel if (tasks > 1)
+    {
+        Scratch *w = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (w == NULL) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            w->span = span;
+            w->kt = (float *)((char *)w + head);
+            w->s = w->kt + HEAD_DIM * span;
+            w->allowed = w->s + BLOCK * span;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t k = 0; k < tasks; k++) {
+            if (w == NULL) continue;
+            attend_block(w, &p, k / (nb * heads), k / heads % nb, k % heads);
+        }
+        free(w);
+    }
+    return failed ? -1 : 0;
+}

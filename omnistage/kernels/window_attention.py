@@ -1,0 +1,58 @@
+"""Block-window attention of the token2wav DiT as one native call per layer
+(window_attention.c): q, k and v read where the fused projection wrote them, the output written
+in the layout the output projection takes."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from omnistage.kernels.build import build_library
+
+SOURCE = Path(__file__).with_name("window_attention.c")
+MAX_SLOTS = 8                 # window_attention.c's MAX_SLOTS: back + 1 + ahead blocks at most
+
+
+def unsupported_reason(head_dim: int, block: int) -> str | None:
+    """Why the kernel cannot serve this attention shape (None: it can)."""
+    if head_dim % 16 or block % 4:
+        return f"head_dim ({head_dim}) must be a multiple of 16 and the block ({block}) of 4"
+    return None
+
+
+class WindowAttentionKernel:
+    """The kernel compiled for one (head_dim, block) (raises NativeBuildError where it does
+    not build)."""
+
+    def __init__(self, head_dim: int, block: int):
+        self.head_dim, self.block = head_dim, block
+        lib = ctypes.CDLL(str(build_library(SOURCE, {"HEAD_DIM": head_dim, "BLOCK": block})))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = lib.window_attention_f32
+        self._fn.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+        self._fn.restype = ctypes.c_int
+
+    def supports(self, qkv: torch.Tensor, back: int, ahead: int) -> bool:
+        """Whether the kernel takes this call: float32 on the CPU, the compiled head size, whole
+        blocks, a window of at most MAX_SLOTS blocks."""
+        return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 5
+                and qkv.shape[2] == 3 and qkv.shape[4] == self.head_dim and qkv.shape[1] % self.block == 0
+                and back >= 0 and ahead >= 0 and back + 1 + ahead <= MAX_SLOTS)
+
+    def __call__(self, qkv: torch.Tensor, lengths: torch.Tensor, back: int, ahead: int,
+                 scale: float) -> torch.Tensor:
+        """qkv (B, T, 3, H, D), lengths (B,) int64 valid frames per row -> (B, T, H * D)."""
+        b, t, _, h, d = qkv.shape
+        # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
+        if not self.supports(qkv, back, ahead) or lengths.shape != (b,) or lengths.dtype != torch.int64:
+            raise ValueError(f"window attention kernel: qkv {tuple(qkv.shape)} {qkv.dtype}, lengths "
+                             f"{tuple(lengths.shape)} {lengths.dtype}, window {back} + 1 + {ahead} "
+                             f"(head_dim {self.head_dim}, block {self.block})")
+        qkv, lengths = qkv.contiguous(), lengths.contiguous()
+        out = torch.empty((b, t, h * d), dtype=torch.float32)
+        if out.numel() and self._fn(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(), b, t, h,
+                                    back, ahead, scale) != 0:
+            raise MemoryError("window attention kernel: a thread could not allocate its scratch")
+        return out
