@@ -28,3 +28,12 @@ def test_decoder_stack_benchmark_toy_run(tiny_qwen2, capsys):
 def test_cpu_description_names_the_cpu():
     cpu = cpu_description()
     assert cpu["model"] and isinstance(cpu["extensions"], list)
+
+
+def test_dit_attention_benchmark_toy_run(tiny_omni, capsys):
+    from benchmarks import dit_attention
+
+    report = dit_attention.main(["--model", tiny_omni, "--streams", "2", "--pairs", "1"])
+    [[native, sdpa]] = report["runs_s"]
+    assert native > 0 and sdpa > 0 and report["median_speedup"] > 0
+    assert "speedup" in capsys.readouterr().err
