@@ -30,7 +30,6 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if HEAD_DIM % 16 != 0 || BLOCK % 4 != 0
 #error "HEAD_DIM must be a multiple of 16 and BLOCK a multiple of 4"
