@@ -30,6 +30,9 @@ class ARRequest(msgspec.Struct):
     position_delta: int = 0
     return_hidden_states: bool = False     # emit hidden states + input embeddings per step
     fed: bool = False                      # generated positions wait for ARFeed vectors
+    # Emit the input embeddings of the tokens each step samples (ARStepOutput.sampled_embeds):
+    # the rows the next step will feed, a step before the engine feeds them (not with `fed`).
+    embed_sampled: bool = False
     # DeepStack: (K, V, width) vectors added after the first K layers at these V prompt positions
     deepstack: torch.Tensor | None = None
     deepstack_positions: list[int] | None = None
@@ -52,6 +55,9 @@ class ARStepOutput(msgspec.Struct):
     # Rows for the positions computed this step (prompt chunk, or the previous token).
     hidden_states: torch.Tensor | None = None   # (n, hidden) final-normed
     input_embeds: torch.Tensor | None = None    # (n, input width) what went into layer 0
+    # ARRequest.embed_sampled: (k, input width) the token embeddings of token_ids, the rows the
+    # next step feeds; None once finished (the token that ends a request is never fed).
+    sampled_embeds: torch.Tensor | None = None
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
@@ -64,6 +70,7 @@ class ARStage(Stage):
         self.engine = engine
         self.dead: str | None = None   # local stages fail with the process
         self._feeds: dict[str, EmbedFeed] = {}
+        self._embed_sampled: set[str] = set()       # requests with ARRequest.embed_sampled
 
     def add(self, message: ARRequest | ARFeed) -> None:
         if isinstance(message, ARFeed):
@@ -78,6 +85,10 @@ class ARStage(Stage):
         embeds = message.prompt_embeds
         if message.mm_positions is not None:
             embeds = self._merge(message)
+        if message.fed and message.embed_sampled:
+            # A fed position's input is its token embedding plus the fed vector, which the
+            # engine knows only when it feeds it.
+            raise ValueError(f"request {message.request_id}: embed_sampled does not go with fed")
         feed = EmbedFeed() if message.fed else None
         self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
                                 prompt_embeds=embeds,
@@ -88,6 +99,8 @@ class ARStage(Stage):
                                 (torch.tensor(message.deepstack_positions), message.deepstack))
         if feed is not None:
             self._feeds[message.request_id] = feed
+        if message.embed_sampled:
+            self._embed_sampled.add(message.request_id)
 
     def _merge(self, m: ARRequest) -> torch.Tensor:
         """Token embeddings of the prompt with the multimodal rows put at their positions."""
@@ -104,15 +117,26 @@ class ARStage(Stage):
         for d in self.engine.step():
             if d.index != 0:
                 continue
+            sampled = None
             if d.finished:
                 self._feeds.pop(d.request_id, None)
+                self._embed_sampled.discard(d.request_id)
+            elif d.token_ids and d.request_id in self._embed_sampled:
+                sampled = self._embed(d.token_ids)
             out.append(StageOutput(self.name, d.request_id, ARStepOutput(
-                d.request_id, d.token_ids, d.text, d.hidden_states, d.input_embeds,
+                d.request_id, d.token_ids, d.text, d.hidden_states, d.input_embeds, sampled,
                 d.finished, d.finish_reason, d.num_prompt_tokens, d.logprobs), final=d.finished))
         return out
 
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        """(k, input width): what the engine's next step puts into layer 0 for these tokens (a
+        generated position of an unfed request is its token embedding, see ModelRunner.run)."""
+        with torch.inference_mode():
+            return self.engine.model.embed(torch.tensor(token_ids, device=self.engine.device))
+
     def abort(self, request_id: str) -> None:
         self._feeds.pop(request_id, None)
+        self._embed_sampled.discard(request_id)
         self.engine.abort_request(request_id)
 
     def has_work(self) -> bool:

@@ -11,8 +11,12 @@ The talker's input (transformers' Qwen3OmniMoeForConditionalGeneration.generate)
   the speaker's id; tts_bos with codec pad; the 4th row (the reply's first token) with codec bos;
 - then one row per talker step: the reply's next token (rows 5, 6, ... of the assistant part),
   then tts_eos once the thinker finished, then tts_pad.
-Reply rows exist only for tokens the thinker fed back (its last token is never fed), so the
-talker starts after the thinker's second step and the text trails it by a token at most.
+The rows are the thinker's input embeddings of its positions: the prompt's as the thinker
+prefills them (media rows and the hidden states come from that step), the reply's from the
+thinker stage as each token is sampled (ARRequest.embed_sampled: a reply row is its token's
+embedding, which exists a step before the thinker feeds the token back). The reference's rows
+are those of the fed positions, so the token that ends the reply has none. So the talker starts
+right after the thinker's prefill, and the reply's text keeps a step ahead of it.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class Qwen3OmniRouter:
                          prompt_embeds=embeds, mm_positions=positions,
                          mrope_positions=req.mrope_positions, position_delta=req.position_delta,
                          return_hidden_states=req.keep_hidden,
+                         embed_sampled=req.keep_hidden and req.talker_params is not None,
                          deepstack=ds, deepstack_positions=ds_at)
 
     def route(self, out: StageOutput) -> list[tuple[str, object]]:
@@ -126,7 +131,7 @@ class Qwen3OmniRouter:
     # ---- thinker -> talker ------------------------------------------------------------------
     def _from_thinker(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
-        if flow.want_audio and o.hidden_states is not None:
+        if flow.want_audio and (o.hidden_states is not None or o.sampled_embeds is not None):
             out += self._talker_inputs(flow, o)
         elif flow.warm_talker and o.hidden_states is not None:
             flow.embeds.append(o.input_embeds)
@@ -149,11 +154,14 @@ class Qwen3OmniRouter:
         return out
 
     def _talker_inputs(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
+        """The talker's share of a thinker step: its prompt's rows (module docstring) up to the
+        reply's first, then each later row."""
+        rows = self._new_rows(flow, o)
+        if rows is None:
+            return []
         if flow.talker_started:
-            return [("talker", TalkerText(flow.req.request_id, o.input_embeds))]
-        flow.embeds.append(o.input_embeds)
-        flow.hidden.append(o.hidden_states)
-        flow.rows_seen += o.input_embeds.shape[0]
+            return [("talker", TalkerText(flow.req.request_id, rows))]
+        flow.embeds.append(rows)
         first = flow.req.assistant_at + HEADER            # the reply's first row
         if flow.rows_seen <= first:
             return []
@@ -163,6 +171,25 @@ class Qwen3OmniRouter:
         if embeds.shape[0] > first + 1:
             out.append(("talker", TalkerText(flow.req.request_id, embeds[first + 1:])))
         return out
+
+    def _new_rows(self, flow: _Flow, o: ARStepOutput) -> torch.Tensor | None:
+        """This step's new rows of the request's position stream: prompt positions from the
+        prefill's input embeddings (their hidden states kept for the user turns' media rows),
+        generated ones from the sampled tokens' embeddings (the fed positions' rows, which come
+        again a step later as input embeddings, are skipped)."""
+        parts, prompt = [], len(flow.req.prompt_token_ids)
+        if o.input_embeds is not None and flow.rows_seen < prompt:
+            n = min(o.input_embeds.shape[0], prompt - flow.rows_seen)
+            parts.append(o.input_embeds[:n])
+            if not flow.talker_started:
+                flow.hidden.append(o.hidden_states[:n])
+        if o.sampled_embeds is not None:
+            parts.append(o.sampled_embeds)
+        if not parts:
+            return None
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        flow.rows_seen += rows.shape[0]
+        return rows
 
     def _warm_talker(self, flow: _Flow) -> list[tuple[str, object]]:
         """A prefill-only turn's user rows prefilled by the talker as well (one code sampled and

@@ -296,3 +296,24 @@ def test_vision_prompts_tokens_and_codes_equal_transformers(omni, hf, kind):
     out, codes = ours_generate(omni, prompt, hf_model, 8)
     assert out.token_ids == want_tokens
     assert torch.equal(codes, want_codes)
+
+
+def test_sampled_token_rows_equal_the_rows_the_thinker_feeds(omni):
+    """ARRequest.embed_sampled (what lets the talker start right after the thinker's prefill):
+    each step's sampled_embeds are bit for bit the input embeddings the next step feeds for
+    those tokens, and the token that ends the request has none (the reference has no row for
+    it)."""
+    from omnistage.stages.ar import ARRequest, ARStage
+
+    stage = ARStage("probe", omni.engine.graph.stages["thinker"].engine)
+    stage.add(ARRequest("probe-0", [5, 17, 99, 250, 7], SamplingParams(temperature=0.0, max_tokens=6,
+                                                                         ignore_eos=True),
+                        return_hidden_states=True, embed_sampled=True))
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += [o.payload for o in stage.step() if o.request_id == "probe-0"]
+    sampled = [o for o in outs if o.token_ids]
+    assert len(sampled) == 6 and sampled[-1].finished and sampled[-1].sampled_embeds is None
+    for now, fed_next in zip(sampled[:-1], sampled[1:]):
+        assert now.sampled_embeds.shape[0] == len(now.token_ids) == 1
+        assert torch.equal(now.sampled_embeds, fed_next.input_embeds[-1:])
