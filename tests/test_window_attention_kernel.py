@@ -9,7 +9,7 @@ import torch
 
 from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel, unsupported_reason
 from omnistage.models.qwen2_5_omni.token2wav_dit import (Attention, AttentionWindow, BatchLayout,
-                                                         window_mask)
+                                                         _rotate_head0, window_mask)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +50,26 @@ CASES = [  # (rows, blocks, heads, head_dim, block, back, ahead, lengths)
 ]
 
 
+def angles(rows: int, frames: int, head_dim: int, seed: int) -> torch.Tensor:
+    """(rows, frames, 1, head_dim/2) complex64 cos + i sin, as DiTModel.rope_angles gives."""
+    theta = torch.rand(rows, frames, 1, head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6.3
+    return torch.polar(torch.ones_like(theta), theta)
+
+
+@pytest.mark.parametrize("with_rope", [False, True])
 @pytest.mark.parametrize("rows,blocks,heads,head_dim,block,back,ahead,lengths", CASES)
-def test_equals_attention_by_definition(kernels, rows, blocks, heads, head_dim, block, back, ahead, lengths):
+def test_equals_attention_by_definition(kernels, rows, blocks, heads, head_dim, block, back, ahead, lengths,
+                                        with_rope):
     """Valid frames within 1e-5 of the float64 result (inputs ~N(0, 4): sharp softmaxes);
-    padding frames (never used by the DiT) only finite."""
+    padding frames (never used by the DiT) only finite. with_rope: the kernel rotates head 0 of
+    q and k as it reads them; the reference rotates them first (torch's complex multiply)."""
     qkv = torch.randn(rows, blocks * block, 3, heads, head_dim, generator=torch.Generator().manual_seed(blocks)) * 2
-    got = kernel_for(kernels, head_dim, block)(qkv, torch.tensor(lengths), back, ahead, head_dim ** -0.5)
+    rope = angles(rows, blocks * block, head_dim, seed=rows) if with_rope else None
+    before = qkv.clone()
+    got = kernel_for(kernels, head_dim, block)(qkv, torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope)
+    assert torch.equal(qkv, before)                                   # read, never written
+    if with_rope:
+        _rotate_head0(qkv, rope)
     want = dense_reference(qkv, lengths, block, back, ahead)
     valid = torch.arange(blocks * block)[None, :] < torch.tensor(lengths)[:, None]
     assert got.shape == (rows, blocks * block, heads * head_dim) and got.is_contiguous()
@@ -89,14 +103,14 @@ def test_equals_the_torch_path_padding_rows_too(kernels, back, ahead):
 def test_results_do_not_depend_on_threads(kernels):
     """Each (row, block, head) is one task whatever the thread count: bit-equal results."""
     qkv = torch.randn(3, 48, 3, 4, 16, generator=torch.Generator().manual_seed(1))
-    k, lengths = kernel_for(kernels, 16, 8), torch.tensor([48, 30, 5])
+    k, lengths, rope = kernel_for(kernels, 16, 8), torch.tensor([48, 30, 5]), angles(3, 48, 16, seed=4)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = k(qkv, lengths, 1, 1, 0.25)
+        one = k(qkv, lengths, 1, 1, 0.25, rope)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, k(qkv, lengths, 1, 1, 0.25))
+    assert torch.equal(one, k(qkv, lengths, 1, 1, 0.25, rope))
 
 
 def test_calls_it_does_not_take(kernels):
@@ -109,4 +123,6 @@ def test_calls_it_does_not_take(kernels):
     assert not k.supports(qkv, MAX_SLOTS, 0)                           # a window too wide
     with pytest.raises(ValueError, match="window attention kernel"):
         k(qkv, torch.tensor([16, 16]), 0, 0, 0.25)                     # lengths of another batch
+    with pytest.raises(ValueError, match="window attention kernel"):
+        k(qkv, torch.tensor([16]), 0, 0, 0.25, angles(1, 8, 16, seed=0))   # angles of other frames
     assert unsupported_reason(24, 8) and unsupported_reason(16, 6) and unsupported_reason(64, 24) is None

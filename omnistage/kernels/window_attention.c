@@ -12,6 +12,10 @@
  * Layouts (float32, contiguous):
  *   qkv     (B, T, 3, H, HEAD_DIM)  T = nb * BLOCK frames per row; q, k, v of each frame
  *   lengths (B,) int64              valid frames of each row (the rest is padding)
+ *   rope    (B, T, HEAD_DIM/2, 2)   cos, sin of each frame's angles, or NULL: head 0 of q and
+ *                                   k is rotated as it is read, pairs (2i, 2i+1) as the complex
+ *                                   number x_2i + i x_2i+1 times cos + i sin (the checkpoint's
+ *                                   RoPE: head 0 only, interleaved pairs); qkv is not written
  *   out     (B, T, H * HEAD_DIM)
  *
  * Which keys a query sees (the same as token2wav_dit.window_mask with SDPA): a valid query
@@ -68,9 +72,26 @@ typedef struct {
     const float *qkv;
     float *out;
     const int64_t *lengths;
+    const float *rope;
     int64_t frames, heads, back, ahead;
     float scale;
 } Problem;
+
+/* Head vector x of frame t of row b into dst[d * stride], rotated where the problem has RoPE
+ * and the head is 0, times `mul`. */
+static inline void read_head(const Problem *p, const float *x, int64_t b, int64_t t, int64_t h,
+                             float mul, float *dst, int64_t stride) {
+    if (p->rope == NULL || h != 0) {
+        for (int d = 0; d < HEAD_DIM; d++) dst[d * stride] = x[d] * mul;
+        return;
+    }
+    const float *r = p->rope + (b * p->frames + t) * HEAD_DIM;     /* (HEAD_DIM/2, 2) */
+    for (int i = 0; i < HEAD_DIM / 2; i++) {
+        const float x0 = x[2 * i], x1 = x[2 * i + 1], c = r[2 * i], sn = r[2 * i + 1];
+        dst[2 * i * stride] = (x0 * c - x1 * sn) * mul;
+        dst[(2 * i + 1) * stride] = (x1 * c + x0 * sn) * mul;
+    }
+}
 
 /* The window of block j in row b, head h: keys transposed, value rows, masks. Returns the
  * number of keys (slots * BLOCK). */
@@ -84,8 +105,7 @@ static int64_t gather_window(Scratch *w, const Problem *p, int64_t b, int64_t j,
         for (int64_t r = 0; r < BLOCK; r++) {
             const int64_t kk = i * BLOCK + r, t = jb * BLOCK + r;
             if (inside) {
-                const float *k = row + t * frame + hd + h * HEAD_DIM;
-                for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = k[d];
+                read_head(p, row + t * frame + hd + h * HEAD_DIM, b, t, h, 1.0f, KT(w, 0) + kk, w->span);
                 w->v[kk] = row + t * frame + 2 * hd + h * HEAD_DIM;
             } else {
                 for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = 0.0f;
@@ -139,8 +159,7 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
     const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd;
     const int64_t keys = gather_window(w, p, b, j, h), first = j * BLOCK;
     const float *q = p->qkv + (b * p->frames + first) * frame + h * HEAD_DIM;
-    for (int64_t r = 0; r < BLOCK; r++)
-        for (int d = 0; d < HEAD_DIM; d++) w->q[r][d] = q[r * frame + d] * p->scale;
+    for (int64_t r = 0; r < BLOCK; r++) read_head(p, q + r * frame, b, first + r, h, p->scale, w->q[r], 1);
     float *out = p->out + (b * p->frames + first) * hd + h * HEAD_DIM;
     for (int64_t r0 = 0; r0 < BLOCK; r0 += 4) {
         int pad[4];
@@ -164,10 +183,11 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
 
 /* Returns 0, -1 when a thread could not allocate its scratch, -2 for a window wider than
  * MAX_SLOTS blocks or frames not a whole number of blocks. */
-int window_attention_f32(const float *qkv, float *out, const int64_t *lengths, int64_t batch,
-                         int64_t frames, int64_t heads, int64_t back, int64_t ahead, float scale) {
+int window_attention_f32(const float *qkv, float *out, const int64_t *lengths, const float *rope,
+                         int64_t batch, int64_t frames, int64_t heads, int64_t back, int64_t ahead,
+                         float scale) {
     if (back < 0 || ahead < 0 || back + 1 + ahead > MAX_SLOTS || frames % BLOCK) return -2;
-    const Problem p = {qkv, out, lengths, frames, heads, back, ahead, scale};
+    const Problem p = {qkv, out, lengths, rope, frames, heads, back, ahead, scale};
     const int64_t nb = frames / BLOCK, tasks = batch * nb * heads;
     const int64_t span = ((back + 1 + ahead) * BLOCK + LANES - 1) / LANES * LANES;
     const size_t head = (sizeof(Scratch) + 63) / 64 * 64;

@@ -31,7 +31,7 @@ class WindowAttentionKernel:
         lib = ctypes.CDLL(str(build_library(SOURCE, {"HEAD_DIM": head_dim, "BLOCK": block})))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.window_attention_f32
-        self._fn.argtypes = [p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+        self._fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
         self._fn.restype = ctypes.c_int
 
     def supports(self, qkv: torch.Tensor, back: int, ahead: int) -> bool:
@@ -42,17 +42,23 @@ class WindowAttentionKernel:
                 and back >= 0 and ahead >= 0 and back + 1 + ahead <= MAX_SLOTS)
 
     def __call__(self, qkv: torch.Tensor, lengths: torch.Tensor, back: int, ahead: int,
-                 scale: float) -> torch.Tensor:
-        """qkv (B, T, 3, H, D), lengths (B,) int64 valid frames per row -> (B, T, H * D)."""
+                 scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv (B, T, 3, H, D), lengths (B,) int64 valid frames per row -> (B, T, H * D).
+        rope: (B, T, 1, D/2) complex64 cos + i sin per frame and pair, applied to head 0 of q
+        and k as they are read (token2wav_dit._rotate_head0's rotation; qkv is not written)."""
         b, t, _, h, d = qkv.shape
         # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
-        if not self.supports(qkv, back, ahead) or lengths.shape != (b,) or lengths.dtype != torch.int64:
+        if (not self.supports(qkv, back, ahead) or lengths.shape != (b,) or lengths.dtype != torch.int64
+                or (rope is not None and (rope.shape != (b, t, 1, d // 2) or rope.dtype != torch.complex64))):
             raise ValueError(f"window attention kernel: qkv {tuple(qkv.shape)} {qkv.dtype}, lengths "
-                             f"{tuple(lengths.shape)} {lengths.dtype}, window {back} + 1 + {ahead} "
-                             f"(head_dim {self.head_dim}, block {self.block})")
+                             f"{tuple(lengths.shape)} {lengths.dtype}, rope "
+                             f"{None if rope is None else (tuple(rope.shape), rope.dtype)}, window "
+                             f"{back} + 1 + {ahead} (head_dim {self.head_dim}, block {self.block})")
         qkv, lengths = qkv.contiguous(), lengths.contiguous()
+        angles = None if rope is None else torch.view_as_real(rope.contiguous())   # (B, T, 1, D/2, 2)
         out = torch.empty((b, t, h * d), dtype=torch.float32)
-        if out.numel() and self._fn(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(), b, t, h,
+        if out.numel() and self._fn(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(),
+                                    None if angles is None else angles.data_ptr(), b, t, h,
                                     back, ahead, scale) != 0:
             raise MemoryError("window attention kernel: a thread could not allocate its scratch")
         return out

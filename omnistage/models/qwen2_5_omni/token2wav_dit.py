@@ -260,11 +260,11 @@ class Attention(nn.Module):
             qkv = self.qkv(x).view(b, t, 3, h, d)
         else:
             qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
-        # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
-        # q's and k's head 0 rotated in one go.
-        _rotate_head0(qkv, rope)
         if self.kernel is not None and self.kernel.supports(qkv, back, ahead):
-            return self.to_out[0](self.kernel(qkv, window.lengths, back, ahead, d ** -0.5))
+            return self.to_out[0](self.kernel(qkv, window.lengths, back, ahead, d ** -0.5, rope))
+        # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
+        # q's and k's head 0 rotated in one go (the kernel rotates them as it reads them).
+        _rotate_head0(qkv, rope)
         q, k, v = qkv.unbind(2)
         qb = q.reshape(b, nb, bs, h, d).transpose(2, 3).reshape(b * nb, h, bs, d)
         kb, vb = (_key_windows(z.reshape(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
