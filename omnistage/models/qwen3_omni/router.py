@@ -133,9 +133,8 @@ class Qwen3OmniRouter:
         out: list[tuple[str, object]] = []
         if flow.want_audio and (o.hidden_states is not None or o.sampled_embeds is not None):
             out += self._talker_inputs(flow, o)
-        elif flow.warm_talker and o.hidden_states is not None:
-            flow.embeds.append(o.input_embeds)
-            flow.hidden.append(o.hidden_states)
+        elif flow.warm_talker:
+            self._gather(flow, o)
         if o.token_ids or o.text:
             out.append((CLIENT, Delta(o.request_id, 0, o.text, o.token_ids, logprobs=o.logprobs,
                                       num_prompt_tokens=o.num_prompt_tokens)))
@@ -156,12 +155,10 @@ class Qwen3OmniRouter:
     def _talker_inputs(self, flow: _Flow, o: ARStepOutput) -> list[tuple[str, object]]:
         """The talker's share of a thinker step: its prompt's rows (module docstring) up to the
         reply's first, then each later row."""
-        rows = self._new_rows(flow, o)
-        if rows is None:
-            return []
         if flow.talker_started:
-            return [("talker", TalkerText(flow.req.request_id, rows))]
-        flow.embeds.append(rows)
+            rows, _ = self._new_rows(flow, o)
+            return [] if rows is None else [("talker", TalkerText(flow.req.request_id, rows))]
+        self._gather(flow, o)
         first = flow.req.assistant_at + HEADER            # the reply's first row
         if flow.rows_seen <= first:
             return []
@@ -172,24 +169,33 @@ class Qwen3OmniRouter:
             out.append(("talker", TalkerText(flow.req.request_id, embeds[first + 1:])))
         return out
 
-    def _new_rows(self, flow: _Flow, o: ARStepOutput) -> torch.Tensor | None:
-        """This step's new rows of the request's position stream: prompt positions from the
-        prefill's input embeddings (their hidden states kept for the user turns' media rows),
-        generated ones from the sampled tokens' embeddings (the fed positions' rows, which come
-        again a step later as input embeddings, are skipped)."""
-        parts, prompt = [], len(flow.req.prompt_token_ids)
+    def _gather(self, flow: _Flow, o: ARStepOutput) -> None:
+        """This step's new rows (and its prompt rows' hidden states) kept for the talker's
+        prompt: a speaking request's until its talker starts, a warm prefill's all along."""
+        rows, hidden = self._new_rows(flow, o)
+        if rows is not None:
+            flow.embeds.append(rows)
+        if hidden is not None:
+            flow.hidden.append(hidden)
+
+    def _new_rows(self, flow: _Flow, o: ARStepOutput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This step's new rows of the request's position stream, and the hidden states of
+        those that are prompt positions (the user turns' media rows read them): prompt
+        positions from the prefill's input embeddings, generated ones from the sampled tokens'
+        embeddings (the fed positions' rows, which come again a step later as input embeddings,
+        are skipped)."""
+        parts, hidden, prompt = [], None, len(flow.req.prompt_token_ids)
         if o.input_embeds is not None and flow.rows_seen < prompt:
             n = min(o.input_embeds.shape[0], prompt - flow.rows_seen)
             parts.append(o.input_embeds[:n])
-            if not flow.talker_started:
-                flow.hidden.append(o.hidden_states[:n])
+            hidden = o.hidden_states[:n]
         if o.sampled_embeds is not None:
             parts.append(o.sampled_embeds)
         if not parts:
-            return None
+            return None, None
         rows = torch.cat(parts) if len(parts) > 1 else parts[0]
         flow.rows_seen += rows.shape[0]
-        return rows
+        return rows, hidden
 
     def _warm_talker(self, flow: _Flow) -> list[tuple[str, object]]:
         """A prefill-only turn's user rows prefilled by the talker as well (one code sampled and
