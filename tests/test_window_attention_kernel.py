@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel, unsupported_reason
+from omnistage.layers.onednn import onednn_bf16_available
 from omnistage.models.qwen2_5_omni.token2wav_dit import (Attention, AttentionWindow, BatchLayout,
                                                          _rotate_head0, window_mask)
 
@@ -77,6 +78,39 @@ def test_equals_attention_by_definition(kernels, rows, blocks, heads, head_dim, 
     assert got.isfinite().all()
 
 
+@pytest.mark.parametrize("rows,blocks,heads,head_dim,block,back,ahead,lengths", CASES)
+def test_bf16_build_is_the_float32_one_widened_and_rounded(kernels, rows, blocks, heads, head_dim, block,
+                                                          back, ahead, lengths):
+    """qkv in bf16 (as the DiT's bf16 GEMMs write it): bit for bit the float32 kernel on the
+    widened qkv, its output rounded to bf16 as torch rounds (the copies it saves change no bit),
+    padding frames included."""
+    qkv = torch.randn(rows, blocks * block, 3, heads, head_dim, generator=torch.Generator().manual_seed(7)) * 2
+    qkv = qkv.bfloat16()
+    k, rope = kernel_for(kernels, head_dim, block), angles(rows, blocks * block, head_dim, seed=3)
+    got = k(qkv, torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope)
+    want = k(qkv.float(), torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope).bfloat16()
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="oneDNN has no bf16 GEMMs on this CPU")
+def test_bf16_gemms_feed_the_kernel_without_float32_copies(kernels):
+    """With packed bf16 GEMMs, Attention hands q|k|v to the kernel in bf16 and its bf16 output
+    to the output GEMM: the same bits as going through float32 copies of both."""
+    block, head_dim, heads = 8, 16, 4
+    attn = Attention(type("C", (), dict(num_attention_heads=heads, head_dim=head_dim, hidden_size=64))())
+    attn.pack_for_onednn(torch.bfloat16)
+    attn.kernel = kernel = kernel_for(kernels, head_dim, block)
+    lengths = torch.tensor([40, 23])
+    window = AttentionWindow(None, lengths)
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(5))
+    rope = angles(2, 40, head_dim, seed=6)
+    with torch.no_grad():
+        got = attn(x, rope, block, 1, 1, window)
+        qkv = attn.qkv.packed_call(x).view(2, 40, 3, heads, head_dim)           # float32 copy
+        want = attn.to_out[0].packed_call(kernel(qkv, lengths, 1, 1, head_dim ** -0.5, rope))
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("back,ahead", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_equals_the_torch_path_padding_rows_too(kernels, back, ahead):
     """Against the PyTorch path the kernel replaces (Attention.forward without a kernel), every
@@ -117,7 +151,7 @@ def test_calls_it_does_not_take(kernels):
     k = kernel_for(kernels, 16, 8)
     qkv = torch.randn(1, 16, 3, 2, 16)
     assert k.supports(qkv, 1, 1)
-    assert not k.supports(qkv.bfloat16(), 1, 1)                      # autocast's bf16 stays on SDPA
+    assert k.supports(qkv.bfloat16(), 1, 1) and not k.supports(qkv.half(), 1, 1)
     assert not k.supports(torch.randn(1, 12, 3, 2, 16), 0, 0)          # not whole blocks
     assert not k.supports(torch.randn(1, 16, 3, 2, 32), 0, 0)          # another head size
     assert not k.supports(qkv, MAX_SLOTS, 0)                           # a window too wide

@@ -63,6 +63,14 @@ static inline uint16_t float_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+static inline void store_bf16(uint16_t *p, vf v) {         /* float_bf16 on every lane */
+    vu u; __builtin_memcpy(&u, &v, sizeof u);
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const vu r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~nan) | (0x7fc0u & nan);
+    const vh16 h = __builtin_convertvector(r, vh16);
+    __builtin_memcpy(p, &h, sizeof h);
+}
 static inline vf splat(float x) { return (vf){} + x; }
 static inline vf vselect(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 static inline vf vmax(vf a, vf b) { return vselect(vgt(a, b), a, b); }

@@ -7,9 +7,13 @@
  * most of the time. Here one call reads q, k and v where the fused q|k|v projection wrote
  * them and writes the output in the layout the output projection takes.
  *
- * Compiled per shape (HEAD_DIM, BLOCK as -D constants, see window_attention.py).
+ * Compiled per shape (HEAD_DIM, BLOCK as -D constants, see window_attention.py), and per
+ * dtype of qkv and out: float32, or bfloat16 with IO_BF16 defined (the DiT's bf16 GEMMs write
+ * qkv and read out in bf16: each value is widened exactly as it is read, every sum is float32
+ * as in the float32 build, and out is rounded as torch rounds float32 to bf16, so the result
+ * is bit for bit the float32 build's on the widened qkv, rounded; no float32 copy of either).
  *
- * Layouts (float32, contiguous):
+ * Layouts (io_t: float32 or bf16, contiguous; rope float32):
  *   qkv     (B, T, 3, H, HEAD_DIM)  T = nb * BLOCK frames per row; q, k, v of each frame
  *   lengths (B,) int64              valid frames of each row (the rest is padding)
  *   rope    (B, T, HEAD_DIM/2, 2)   cos, sin of each frame's angles, or NULL: head 0 of q and
@@ -42,6 +46,18 @@
 #include "vec16.h"                    /* vf (16 lanes), load, store, splat, vexp, max / sum */
 
 #define CHUNKS (HEAD_DIM / LANES)
+
+#ifdef IO_BF16
+typedef uint16_t io_t;
+static inline vf load_io(const io_t *p) { return load_bf16(p); }
+static inline float io_float(io_t x) { return bf16_float(x); }
+static inline void store_io(io_t *p, vf v) { store_bf16(p, v); }
+#else
+typedef float io_t;
+static inline vf load_io(const io_t *p) { return load(p); }
+static inline float io_float(io_t x) { return x; }
+static inline void store_io(io_t *p, vf v) { store(p, v); }
+#endif
 #define MAX_SLOTS 8                   /* blocks per window: back + 1 + ahead <= MAX_SLOTS */
 #define MAX_KEYS (MAX_SLOTS * BLOCK)
 /* Partial sums per score vector: two chains per query where there are 32 vector registers
@@ -56,7 +72,7 @@
  * rounded up to whole vectors (not MAX_KEYS: the transposed keys then stay in L1). */
 typedef struct {
     float q[BLOCK][HEAD_DIM];         /* scaled queries */
-    const float *v[MAX_KEYS];         /* each key's value row, NULL outside the row */
+    const io_t *v[MAX_KEYS];          /* each key's value row, NULL outside the row */
     int64_t span;
     float *kt;                        /* (HEAD_DIM, span) the window's keys, transposed; zeros
                                          outside the row */
@@ -69,8 +85,8 @@ typedef struct {
 #define ALLOWED(w, pad) ((w)->allowed + (pad) * (w)->span)
 
 typedef struct {
-    const float *qkv;
-    float *out;
+    const io_t *qkv;
+    io_t *out;
     const int64_t *lengths;
     const float *rope;
     int64_t frames, heads, back, ahead;
@@ -79,15 +95,15 @@ typedef struct {
 
 /* Head vector x of frame t of row b into dst[d * stride], rotated where the problem has RoPE
  * and the head is 0, times `mul`. */
-static inline void read_head(const Problem *p, const float *x, int64_t b, int64_t t, int64_t h,
+static inline void read_head(const Problem *p, const io_t *x, int64_t b, int64_t t, int64_t h,
                              float mul, float *dst, int64_t stride) {
     if (p->rope == NULL || h != 0) {
-        for (int d = 0; d < HEAD_DIM; d++) dst[d * stride] = x[d] * mul;
+        for (int d = 0; d < HEAD_DIM; d++) dst[d * stride] = io_float(x[d]) * mul;
         return;
     }
     const float *r = p->rope + (b * p->frames + t) * HEAD_DIM;     /* (HEAD_DIM/2, 2) */
     for (int i = 0; i < HEAD_DIM / 2; i++) {
-        const float x0 = x[2 * i], x1 = x[2 * i + 1], c = r[2 * i], sn = r[2 * i + 1];
+        const float x0 = io_float(x[2 * i]), x1 = io_float(x[2 * i + 1]), c = r[2 * i], sn = r[2 * i + 1];
         dst[2 * i * stride] = (x0 * c - x1 * sn) * mul;
         dst[(2 * i + 1) * stride] = (x1 * c + x0 * sn) * mul;
     }
@@ -98,7 +114,7 @@ static inline void read_head(const Problem *p, const float *x, int64_t b, int64_
 static int64_t gather_window(Scratch *w, const Problem *p, int64_t b, int64_t j, int64_t h) {
     const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd, nb = p->frames / BLOCK;
     const int64_t slots = p->back + 1 + p->ahead, keys = slots * BLOCK, len = p->lengths[b];
-    const float *row = p->qkv + b * p->frames * frame;
+    const io_t *row = p->qkv + b * p->frames * frame;
     for (int64_t i = 0; i < slots; i++) {
         const int64_t jb = j - p->back + i;
         const int inside = jb >= 0 && jb < nb;
@@ -158,9 +174,9 @@ static void weights4(Scratch *w, int64_t r0, const int pad[4], float sums[4]) {
 static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int64_t h) {
     const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd;
     const int64_t keys = gather_window(w, p, b, j, h), first = j * BLOCK;
-    const float *q = p->qkv + (b * p->frames + first) * frame + h * HEAD_DIM;
+    const io_t *q = p->qkv + (b * p->frames + first) * frame + h * HEAD_DIM;
     for (int64_t r = 0; r < BLOCK; r++) read_head(p, q + r * frame, b, first + r, h, p->scale, w->q[r], 1);
-    float *out = p->out + (b * p->frames + first) * hd + h * HEAD_DIM;
+    io_t *out = p->out + (b * p->frames + first) * hd + h * HEAD_DIM;
     for (int64_t r0 = 0; r0 < BLOCK; r0 += 4) {
         int pad[4];
         float sums[4];
@@ -171,17 +187,17 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
          * row and its four weights loaded once. */
         vf o[4][CHUNKS] = {};
         for (int64_t kk = 0; kk < keys; kk++) {
-            const float *v = w->v[kk];
+            const io_t *v = w->v[kk];
             if (v == NULL) continue;                        /* a zero value row */
             vf vr[CHUNKS];
-            for (int c = 0; c < CHUNKS; c++) vr[c] = load(v + c * LANES);
+            for (int c = 0; c < CHUNKS; c++) vr[c] = load_io(v + c * LANES);
             for (int g = 0; g < 4; g++) {
                 const float e = S(w, r0 + g)[kk];
                 for (int c = 0; c < CHUNKS; c++) o[g][c] += e * vr[c];
             }
         }
         for (int g = 0; g < 4; g++)
-            for (int c = 0; c < CHUNKS; c++) store(out + (r0 + g) * hd + c * LANES, o[g][c] * (1.0f / sums[g]));
+            for (int c = 0; c < CHUNKS; c++) store_io(out + (r0 + g) * hd + c * LANES, o[g][c] * (1.0f / sums[g]));
 #else
         /* One 16-value chunk of the four outputs at a time: 4 accumulators (8 registers where
          * vectors are 256 bits), each V chunk loaded once for the four. The same additions in
@@ -189,12 +205,12 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
         for (int c = 0; c < CHUNKS; c++) {
             vf o[4] = {};
             for (int64_t kk = 0; kk < keys; kk++) {
-                const float *v = w->v[kk];
+                const io_t *v = w->v[kk];
                 if (v == NULL) continue;                    /* a zero value row */
-                const vf vr = load(v + c * LANES);
+                const vf vr = load_io(v + c * LANES);
                 for (int g = 0; g < 4; g++) o[g] += S(w, r0 + g)[kk] * vr;
             }
-            for (int g = 0; g < 4; g++) store(out + (r0 + g) * hd + c * LANES, o[g] * (1.0f / sums[g]));
+            for (int g = 0; g < 4; g++) store_io(out + (r0 + g) * hd + c * LANES, o[g] * (1.0f / sums[g]));
         }
 #endif
     }
@@ -202,7 +218,7 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
 
 /* Returns 0, -1 when a thread could not allocate its scratch, -2 for a window wider than
  * MAX_SLOTS blocks or frames not a whole number of blocks. */
-int window_attention_f32(const float *qkv, float *out, const int64_t *lengths, const float *rope,
+int window_attention(const io_t *qkv, io_t *out, const int64_t *lengths, const float *rope,
                          int64_t batch, int64_t frames, int64_t heads, int64_t back, int64_t ahead,
                          float scale) {
     if (back < 0 || ahead < 0 || back + 1 + ahead > MAX_SLOTS || frames % BLOCK) return -2;

@@ -23,27 +23,40 @@ def unsupported_reason(head_dim: int, block: int) -> str | None:
 
 
 class WindowAttentionKernel:
-    """The kernel compiled for one (head_dim, block) (raises NativeBuildError where it does
-    not build)."""
+    """The kernel compiled for one (head_dim, block), for qkv and outputs in float32 or bf16
+    (each build made on first use; raises NativeBuildError where it does not build)."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, head_dim: int, block: int):
         self.head_dim, self.block = head_dim, block
-        lib = ctypes.CDLL(str(build_library(SOURCE, {"HEAD_DIM": head_dim, "BLOCK": block})))
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = lib.window_attention_f32
-        self._fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
-        self._fn.restype = ctypes.c_int
+        self._fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        self._fn(torch.float32)
+
+    def _fn(self, dtype: torch.dtype) -> ctypes._CFuncPtr:
+        fn = self._fns.get(dtype)
+        if fn is None:
+            defines = {"HEAD_DIM": self.head_dim, "BLOCK": self.block}
+            if dtype == torch.bfloat16:
+                defines["IO_BF16"] = 1
+            fn = ctypes.CDLL(str(build_library(SOURCE, defines))).window_attention
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+        return fn
 
     def supports(self, qkv: torch.Tensor, back: int, ahead: int) -> bool:
-        """Whether the kernel takes this call: float32 on the CPU, the compiled head size, whole
-        blocks, a window of at most MAX_SLOTS blocks."""
-        return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 5
+        """Whether the kernel takes this call: float32 or bf16 on the CPU, the compiled head
+        size, whole blocks, a window of at most MAX_SLOTS blocks."""
+        return (qkv.device.type == "cpu" and qkv.dtype in self.DTYPES and qkv.dim() == 5
                 and qkv.shape[2] == 3 and qkv.shape[4] == self.head_dim and qkv.shape[1] % self.block == 0
                 and back >= 0 and ahead >= 0 and back + 1 + ahead <= MAX_SLOTS)
 
     def __call__(self, qkv: torch.Tensor, lengths: torch.Tensor, back: int, ahead: int,
                  scale: float, rope: torch.Tensor | None = None) -> torch.Tensor:
-        """qkv (B, T, 3, H, D), lengths (B,) int64 valid frames per row -> (B, T, H * D).
+        """qkv (B, T, 3, H, D), lengths (B,) int64 valid frames per row -> (B, T, H * D) in
+        qkv's dtype (bf16: the float32 result on the widened qkv, rounded as torch rounds).
         rope: (B, T, 1, D/2) complex64 cos + i sin per frame and pair, applied to head 0 of q
         and k as they are read (token2wav_dit._rotate_head0's rotation; qkv is not written)."""
         b, t, _, h, d = qkv.shape
@@ -56,9 +69,9 @@ class WindowAttentionKernel:
                              f"{back} + 1 + {ahead} (head_dim {self.head_dim}, block {self.block})")
         qkv, lengths = qkv.contiguous(), lengths.contiguous()
         angles = None if rope is None else torch.view_as_real(rope.contiguous())   # (B, T, 1, D/2, 2)
-        out = torch.empty((b, t, h * d), dtype=torch.float32)
-        if out.numel() and self._fn(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(),
-                                    None if angles is None else angles.data_ptr(), b, t, h,
-                                    back, ahead, scale) != 0:
+        out = torch.empty((b, t, h * d), dtype=qkv.dtype)
+        if out.numel() and self._fn(qkv.dtype)(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(),
+                                               None if angles is None else angles.data_ptr(), b, t, h,
+                                               back, ahead, scale) != 0:
             raise MemoryError("window attention kernel: a thread could not allocate its scratch")
         return out

@@ -256,12 +256,19 @@ class Attention(nn.Module):
                 window: AttentionWindow) -> torch.Tensor:
         b, t, _ = x.shape
         nb, h, d = t // bs, self.heads, self.head_dim
+        out = self.to_out[0]
         if self.qkv is not None:
-            qkv = self.qkv(x).view(b, t, 3, h, d)
+            # For the kernel, q|k|v stay in the GEMM's dtype and the kernel's output goes into
+            # the output GEMM as it is: with bf16 GEMMs no float32 copy of either (the same
+            # bits: the kernel widens exactly and rounds its output as .to(bfloat16) would).
+            keep = self.qkv.packed_dtype if self.kernel is not None else None
+            qkv = self.qkv.packed_call(x, out_dtype=keep).view(b, t, 3, h, d)
         else:
             qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
         if self.kernel is not None and self.kernel.supports(qkv, back, ahead):
-            return self.to_out[0](self.kernel(qkv, window.lengths, back, ahead, d ** -0.5, rope))
+            o = self.kernel(qkv, window.lengths, back, ahead, d ** -0.5, rope)
+            return out(o) if out.packed is None else out.packed_call(o, out_dtype=x.dtype)
+        qkv = qkv.to(x.dtype) if self.qkv is not None else qkv
         # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
         # q's and k's head 0 rotated in one go (the kernel rotates them as it reads them).
         _rotate_head0(qkv, rope)
@@ -270,7 +277,7 @@ class Attention(nn.Module):
         kb, vb = (_key_windows(z.reshape(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=window.mask)   # (B*nb, H, bs, d)
         o = o.view(b, nb, h, bs, d).transpose(2, 3).reshape(b, t, h * d)
-        return self.to_out[0](o)
+        return out(o)
 
 
 def _rotate_head0(qkv: torch.Tensor, rope: torch.Tensor) -> None:
