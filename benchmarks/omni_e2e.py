@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token2wav-bf16", action="store_true",
                    help="Qwen2.5-Omni, opt-in: the token2wav DiT's matmuls in bfloat16 (not the "
                         "reference's numerics)")
+    p.add_argument("--token2wav-catch-up", action="store_true",
+                   help="Qwen2.5-Omni, opt-in: a stream whose listener ran dry takes every code it "
+                        "has in its next chunk (VocoderSettings.catch_up)")
     p.add_argument("--frame-budget", type=int, default=None,
                    help=f"Qwen2.5-Omni: token2wav mel frames per step (VocoderSettings.frame_budget, "
                         f"default {VOCODER_FRAME_BUDGET})")
@@ -158,9 +161,9 @@ def resolve_family(args: argparse.Namespace) -> tuple[Path, str]:
 def finish_args(args: argparse.Namespace) -> None:
     """Family-dependent defaults and checks, once the family is known."""
     args.codec_tokens = args.codec_tokens or DEFAULT_CODEC_TOKENS[args.family]
-    if args.family == QWEN3 and (args.token2wav_bf16 or args.frame_budget):
-        raise SystemExit("--token2wav-bf16 and --frame-budget are Qwen2.5-Omni's (token2wav); "
-                         "Qwen3-Omni's code2wav has neither")
+    if args.family == QWEN3 and (args.token2wav_bf16 or args.frame_budget or args.token2wav_catch_up):
+        raise SystemExit("--token2wav-bf16, --token2wav-catch-up and --frame-budget are Qwen2.5-Omni's "
+                         "(token2wav); Qwen3-Omni's code2wav has none of them")
     args.frame_budget = args.frame_budget or VOCODER_FRAME_BUDGET
 
 
@@ -403,7 +406,8 @@ def omni_settings(args: argparse.Namespace):
     from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
 
     return OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget,
-                                                bf16_dit=args.token2wav_bf16))
+                                                bf16_dit=args.token2wav_bf16,
+                                                catch_up=args.token2wav_catch_up))
 
 
 def omnistage_params(args: argparse.Namespace):

@@ -117,6 +117,9 @@ class Token2WavStream:
         self.vocoder = VocoderStream(model.vocoder, self.vctx)
         self.finishing = self.closed = False
         self.num_chunks = 0      # chunks decoded so far (sizes grow with it)
+        # Set by the caller (the vocoder stage, while the listener has run dry): later chunks
+        # are the largest (next_chunk), fewer windows for the codes than the schedule's.
+        self.catch_up = False
 
     def push(self, codes) -> list[torch.Tensor]:
         """Add codes; returns the PCM chunks that became ready (possibly none)."""
@@ -151,13 +154,19 @@ class Token2WavStream:
     def ready(self) -> bool:
         """A chunk can be decoded now."""
         left = self.received - self.next
-        return not self.closed and (left >= self.cfg.chunk(self.num_chunks) + self.cfg.look_ahead
+        return not self.closed and (left >= self.next_chunk() + self.cfg.look_ahead
                                     or (self.finishing and left > 0))
+
+    def next_chunk(self) -> int:
+        """Codes in the next chunk (unless it is the tail): the schedule's size (cfg.chunk), or
+        with catch_up, after the first chunk, the largest chunk."""
+        size = self.cfg.chunk(self.num_chunks)
+        return max(size, self.cfg.largest_chunk) if self.catch_up and self.num_chunks > 0 else size
 
     def window_frames(self) -> int:
         """Mel frames of the next chunk's ODE window (its cost in a batched solve)."""
         c = self.cfg
-        return (min(c.look_back + self.align, self.next) + c.chunk(self.num_chunks) + c.look_ahead) * self.repeats
+        return (min(c.look_back + self.align, self.next) + self.next_chunk() + c.look_ahead) * self.repeats
 
     def has_work(self) -> bool:
         """A chunk to decode, or (after end()) PCM still to emit."""
@@ -165,7 +174,7 @@ class Token2WavStream:
 
     def plan(self) -> ChunkPlan:
         cs, c = self.next, self.cfg
-        size = c.chunk(self.num_chunks)
+        size = self.next_chunk()
         if self.received - cs >= size + c.look_ahead:
             ce, we = cs + size, cs + size + c.look_ahead
         else:                       # finishing: the rest is one window

@@ -36,6 +36,7 @@ from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, Stream
                                                             step_streams)
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.base import Stage
+from omnistage.stages.playback import PlaybackClock
 
 
 @dataclass
@@ -59,6 +60,13 @@ class VocoderSettings:
     # CPU has bf16 dot products: 1.3x float32 on a Zen 5; autocast elsewhere, ~1.4x on an Intel
     # Xeon with AMX); mel within ~0.2% RMS of float32. Off: outputs match the reference (float32).
     bf16_dit: bool = False
+    # Opt-in throughput under overload: while a request's listener has run dry (the stage sent
+    # less speech than the time since its first chunk), its next later chunk takes every code
+    # the stream has (up to the stream's largest chunk), so an utterance needs fewer windows,
+    # each recomputing the DiT's look-back and look-ahead (Token2WavStream.next_chunk).
+    # Off: the chunking is a function of the codes alone, so a request's audio is the same
+    # bits under any load; on, it depends on timing within the chunking's ~1e-5 of the mel.
+    catch_up: bool = False
 
 
 @dataclass
@@ -77,10 +85,13 @@ class _Pick:
 
 class VocoderStage(Stage):
     def __init__(self, name: str, model: Token2Wav, speakers: dict, settings: VocoderSettings,
-                 noise_for: Callable[[str], torch.Tensor | torch.Generator] | None = None):
+                 noise_for: Callable[[str], torch.Tensor | torch.Generator] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         """`speakers`: name -> object with .cond (1, E) and .ref_mel (1, R, M). `noise_for`
-        (tests) gives a request's ODE start noise; default: a seeded generator per request."""
+        (tests) gives a request's ODE start noise; default: a seeded generator per request.
+        `clock`: seconds, for the hold and the listeners' playback."""
         self.name, self.model, self.speakers, self.settings = name, model, speakers, settings
+        self.clock = clock
         stream = settings.stream or StreamConfig.for_dit(model.config.dit_config,
                                                          model.vocoder.receptive_field())
         if settings.first_chunk is not None:
@@ -89,6 +100,7 @@ class VocoderStage(Stage):
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
+        self._playback: dict[str, PlaybackClock] = {}   # of the streams that sent speech
         self._speaker_terms: dict[str, SpeakerTerms] = {}      # by voice (see _open)
         self._count = 0
         self._hold_since: float | None = None   # when later chunks began waiting (see _pick)
@@ -151,9 +163,12 @@ class VocoderStage(Stage):
         """This step's work (see the module docstring). `stepping`: the step runs it (a hold
         that expired starts again after it)."""
         flush, first, later, gathering = [], [], [], False
+        now = self.clock()
         for rid, s in self._streams.items():          # insertion order: oldest stream first
             if rid in self._solving:
                 continue
+            playback = self._playback.get(rid)
+            s.catch_up = self.settings.catch_up and playback is not None and playback.ran_dry(now)
             if s.ready():
                 (first if s.num_chunks == 0 else later).append(rid)
             elif s.has_work() or s.finishing:         # a tail to flush, or an empty end
@@ -162,7 +177,7 @@ class VocoderStage(Stage):
                 gathering = True
         if first:
             return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
-        now, pending = time.monotonic(), self._solve is not None or bool(later)
+        pending = self._solve is not None or bool(later)
         if not gathering or not pending:
             self._hold_since = None
         elif self._hold_since is None:
@@ -203,7 +218,7 @@ class VocoderStage(Stage):
                     self._solve, self._solving = None, []
             # Streams that are not ready only flush their vocoder tail here.
             pcm.update(zip(pick.flush, step_streams([self._streams[r] for r in pick.flush])))
-        out = []
+        out, now = [], self.clock()
         for rid, p in pcm.items():
             s = self._streams.get(rid)
             if s is None:                 # aborted while its chunk was in flight
@@ -212,6 +227,8 @@ class VocoderStage(Stage):
             if p is None and not done:
                 continue
             samples = p.float().cpu() if p is not None else torch.zeros(0)
+            if samples.numel():
+                self._playback.setdefault(rid, PlaybackClock()).sent(samples.numel() / self.sample_rate, now)
             out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, done),
                                    final=done))
             if done:
@@ -220,6 +237,7 @@ class VocoderStage(Stage):
 
     def abort(self, request_id: str) -> None:
         s = self._streams.pop(request_id, None)
+        self._playback.pop(request_id, None)
         if s is not None:
             s.close()
         if self._solve is not None and all(r not in self._streams for r in self._solving):
@@ -233,7 +251,7 @@ class VocoderStage(Stage):
         A stage process with nothing to do waits for its next message at most this long."""
         if self._hold_since is None:
             return None
-        return max(0.0, self._hold_since + self.settings.max_hold_s - time.monotonic())
+        return max(0.0, self._hold_since + self.settings.max_hold_s - self.clock())
 
     def num_requests(self) -> int:
         return len(self._streams)

@@ -39,6 +39,7 @@ from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavWindow
 from omnistage.models.qwen3_omni.messages import CodecFrames
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.base import Stage
+from omnistage.stages.playback import PlaybackClock
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,8 @@ class _Stream:
     chunks: int = 0                      # chunks decoded
     last_chunk: int = 0                  # frames of the latest chunk
     finished: bool = False               # the talker sent its last frames
-    started: float | None = None         # clock time the first chunk went out
     first_frame: float | None = None     # clock time the first frames came
-    sent_s: float = 0.0                  # seconds of speech sent
-
-    def left_to_play(self, now: float) -> float:
-        """Seconds of sent speech the client has not played yet (if it plays from the first
-        chunk on, without pause); +inf before the first chunk."""
-        return float("inf") if self.started is None else self.sent_s - (now - self.started)
+    playback: PlaybackClock = field(default_factory=PlaybackClock)
 
     def codes(self) -> torch.Tensor:
         if len(self.frames) > 1:
@@ -154,7 +149,7 @@ class Code2WavStage(Stage):
     def _due(self, s: _Stream, now: float) -> bool:
         """Whether the stream's playback deadline sends what it has now (module docstring)."""
         margin = self.settings.playback_margin_s
-        if margin is None or s.left_to_play(now) >= margin:
+        if margin is None or s.playback.left_to_play(now) >= margin:
             return False
         if s.total - s.done < max(s.last_chunk, self.settings.deadline_chunk):
             return False
@@ -169,7 +164,10 @@ class Code2WavStage(Stage):
             end = self._next_end(s, now)
             if end is not None or (s.finished and s.done == s.total):
                 out.append((rid, end))
-        return sorted(out, key=lambda r: (self._streams[r[0]].chunks > 0, self._streams[r[0]].left_to_play(now)))
+        def order(r: tuple[str, int | None]) -> tuple[bool, float]:
+            s = self._streams[r[0]]
+            return s.chunks > 0, s.playback.left_to_play(now)
+        return sorted(out, key=order)
 
     def _pick(self) -> list[tuple[str, int | None]]:
         """This step's share of the ready work: within `frame_budget` window frames."""
@@ -196,8 +194,7 @@ class Code2WavStage(Stage):
             samples = pcm[rid].float().cpu() if rid in pcm else torch.zeros(0)
             if end is not None:
                 s.done, s.chunks, s.last_chunk = end, s.chunks + 1, end - s.done
-                s.started = now if s.started is None else s.started
-                s.sent_s += samples.shape[0] / self.sample_rate
+                s.playback.sent(samples.shape[0] / self.sample_rate, now)
             last = s.finished and s.done == s.total
             out.append(StageOutput(self.name, rid, AudioChunk(rid, samples, self.sample_rate, last), final=last))
             if last:

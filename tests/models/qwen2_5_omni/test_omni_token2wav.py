@@ -227,9 +227,10 @@ def test_vocoder_windows_are_exact(models):
 FAST = 4
 
 
-def _stream_all(ours, codes, cond, ref, noise, cfg, one_by_one=False, steps=10):
+def _stream_all(ours, codes, cond, ref, noise, cfg, one_by_one=False, steps=10, catch_up=False):
     """Returns the PCM chunks and the streamed mel (recorded from each chunk's kept frames)."""
     stream, mels = Token2WavStream(ours, cond, ref, noise, cfg, steps=steps), []
+    stream.catch_up = catch_up
     take_mel = stream.take_mel
 
     def record(plan, mel):
@@ -403,6 +404,8 @@ def test_bad_input_names_the_parameter(models):
     48,     # measured: mel max 2.2e-5 rms 1.9e-6; wav max 3.9e-7 rms 7.9e-8
     None,   # for_dit as the stage builds it (chunks 24, 8, 16, 32, 48 codes); measured:
             # mel max 1.8e-5 rms 1.8e-6; wav max 3.6e-7 rms 8.0e-8
+    "catch-up",   # for_dit's, every later chunk the largest (the stage's catch_up: chunks
+                  # 24, 48, 48, 30 codes); measured: mel max 3.1e-5 rms 2.2e-6; wav max 3.6e-7 rms 7.9e-8
 ])
 def test_growing_stream_close_to_transformers_whole_decode(models, max_chunk):
     """Streaming as the vocoder stage runs it (StreamConfig.for_dit: windows with the DiT's
@@ -420,7 +423,8 @@ def test_growing_stream_close_to_transformers_whole_decode(models, max_chunk):
     vctx = ours.vocoder.receptive_field()
     base = StreamConfig.for_dit(ours.config.dit_config, vctx)
     assert vctx == 28 and base.max_chunk_size == 48     # for_dit's 12 blocks of 4 codes
-    if max_chunk is None:
+    catch_up = max_chunk == "catch-up"
+    if max_chunk is None or catch_up:
         cfg = base
         assert [cfg.chunk(k) for k in range(6)] == [24, 8, 16, 32, 48, 48]
     else:
@@ -433,9 +437,12 @@ def test_growing_stream_close_to_transformers_whole_decode(models, max_chunk):
         torch.manual_seed(6)
         mel_hf = hf.code2wav_dit_model.sample(cond, ref, codes[None], num_steps=10,
                                               guidance_scale=0.5, sway_coefficient=-1.0)[0].T
-    chunks, mel = _stream_all(ours, codes, cond, ref, noise, cfg)
+    chunks, mel = _stream_all(ours, codes, cond, ref, noise, cfg, catch_up=catch_up)
     wav = torch.cat(chunks)
     assert wav.shape == wav_hf.shape and mel.shape == mel_hf.shape
+    if catch_up:            # 4 windows (24, 48, 48 and a tail of 30 codes) instead of 6 (24, 8,
+                            # 16, 32, 48, 22)
+        assert len(chunks) == 4 and len(_stream_all(ours, codes, cond, ref, noise, cfg)[0]) == 6
     if max_chunk is None:   # the first PCM outlasts 2 blocks: chunk 0 carried the vocoder's context
         assert chunks[0].numel() == (2 * 24 - vctx) * (wav.numel() // mel.shape[0]) > 0
         assert (2 * 24 - vctx) // 2 >= cfg.chunk_size

@@ -5,6 +5,7 @@ the stage's order of work, its outputs against a one-shot decode of the same str
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,11 +39,12 @@ def model():
     return t2w
 
 
-def make_stage(model, **settings) -> VocoderStage:
+def make_stage(model, clock=time.monotonic, **settings) -> VocoderStage:
     g = torch.Generator().manual_seed(1)
     voice = SimpleNamespace(cond=torch.randn(1, 8, generator=g), ref_mel=torch.randn(1, 20, MEL, generator=g))
     base = dict(steps=4, stream=StreamConfig(16, 4, 8), max_hold_s=60.0, intervals_per_step=0)
-    return VocoderStage("token2wav", model, {"v": voice}, VocoderSettings(**{**base, **settings}))
+    return VocoderStage("token2wav", model, {"v": voice}, VocoderSettings(**{**base, **settings}),
+                        clock=clock)
 
 
 def codes(n: int, seed: int) -> list[int]:
@@ -133,3 +135,25 @@ def test_warm_up_decodes_streamed_chunks_only_and_changes_no_output(model):
     assert not whole.warm_up()
     # 16 + 4 codes of 2 frames: a 40-frame first window; the default budget is 144.
     assert not make_stage(model, first_audio_frames=39).warm_up()
+
+
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_catch_up_gives_a_listener_that_ran_dry_the_largest_chunk(model, catch_up):
+    """With catch_up, a stream whose listener ran dry (the clock past the speech the stage sent
+    since its first chunk) waits for the largest chunk's codes and decodes them in one window;
+    one still playing keeps the schedule (chunks 16, 16, 32, 64 codes). Off (the default), the
+    clock changes nothing: the chunking follows the codes alone."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], catch_up=catch_up,
+                       stream=StreamConfig(16, 4, 8, max_chunk_size=64))
+    send(stage, "a", codes(20, 0))
+    [first] = stage.step()                                   # chunk 0: 16 codes
+    played = first.payload.samples.numel() / first.payload.sample_rate
+    send(stage, "a", codes(16, 1))                           # chunk 1's 16 codes + look-ahead
+    now[0] = played / 2                                      # still playing: the schedule
+    assert stage.has_work() and stage._streams["a"].next_chunk() == 16
+    now[0] = played + 1.0                                    # ran dry 1 s ago
+    assert stage.has_work() != catch_up
+    send(stage, "a", codes(48, 2))                           # 84 codes: 16 + 64 + 4 of look-ahead
+    assert served(stage.step()) == ["a"]
+    assert stage._streams["a"].next == (80 if catch_up else 32)

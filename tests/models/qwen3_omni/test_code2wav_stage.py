@@ -77,7 +77,7 @@ def test_a_stream_about_to_run_dry_gets_what_it_has(model):
     stage = Code2WavStage("code2wav", model, Code2WavSettings(first_chunk=2, playback_margin_s=0.6), clock=clock)
     feed(stage, "a", codes(26))
     assert chunk_sizes(stage, "a") == [2, 6, 18]
-    sent = stage._streams["a"].sent_s
+    sent = stage._streams["a"].playback.sent_s
     assert sent == pytest.approx(26 * FRAME_S, abs=0.05)        # the seamless chunks: ~their frames
     feed(stage, "a", codes(20, seed=1))                         # 20 frames, the next chunk is 54
     clock.now += sent - 0.61                                    # 0.61 s left to play: not yet
@@ -93,7 +93,7 @@ def test_a_due_stream_with_fewer_frames_than_its_last_chunk_waits(model):
     feed(stage, "a", codes(8))
     assert chunk_sizes(stage, "a") == [2, 6]
     feed(stage, "a", codes(5, seed=1))
-    clock.now += stage._streams["a"].sent_s - 0.3               # 0.3 s left to play
+    clock.now += stage._streams["a"].playback.sent_s - 0.3               # 0.3 s left to play
     assert not stage.has_work()
     feed(stage, "a", codes(1, seed=2))                          # 6 frames: as many as the last chunk
     assert chunk_sizes(stage, "a") == [6]
@@ -108,7 +108,7 @@ def test_a_stream_slower_than_real_time_keeps_growing_chunks(model):
     assert chunk_sizes(stage, "a") == [2, 6]
     clock.now += 3.0                                            # 25 frames (2 s of speech) in 3 s
     feed(stage, "a", codes(17, seed=1))
-    assert stage._streams["a"].left_to_play(clock.now) < 0      # dry, and not keeping up
+    assert stage._streams["a"].playback.left_to_play(clock.now) < 0      # dry, and not keeping up
     assert not stage.has_work()
     feed(stage, "a", codes(1, seed=2))                          # the chunk size (18) is there
     assert chunk_sizes(stage, "a") == [18]
@@ -121,7 +121,7 @@ def test_a_dry_stream_that_keeps_up_gets_what_it_has(model):
     assert chunk_sizes(stage, "a") == [2, 6]
     clock.now += 0.7                                            # dry; 15 frames (1.2 s) in 0.7 s
     feed(stage, "a", codes(7, seed=1))
-    assert stage._streams["a"].left_to_play(clock.now) < 0
+    assert stage._streams["a"].playback.left_to_play(clock.now) < 0
     assert chunk_sizes(stage, "a") == [7]
 
 
@@ -138,7 +138,8 @@ def test_the_stream_closest_to_running_dry_goes_first(model):
     feed(stage, "a", codes(8, seed=2))
     feed(stage, "b", codes(8, seed=3))
     clock.now += 0.2            # both have 0.3-0.45 s left; b started 0.05 s later: a has less
-    assert 0 < stage._streams["a"].left_to_play(clock.now) < stage._streams["b"].left_to_play(clock.now) < 0.6
+    a, b = (stage._streams[r].playback.left_to_play(clock.now) for r in "ab")
+    assert 0 < a < b < 0.6
     assert [o.request_id for o in stage.step()] == ["a"]
     assert [o.request_id for o in stage.step()] == ["b"]
 
