@@ -1,5 +1,6 @@
 """`--code2wav-playback-margin`: seconds or off, into Qwen3-Omni's code2wav settings; other
-values refused by the parser (exit 2 with the reason), never a crash later."""
+values refused by the parser (exit 2 with the reason), never a crash later. And
+`--token2wav-catch-up` into Qwen2.5-Omni's vocoder settings."""
 
 from __future__ import annotations
 
@@ -27,3 +28,9 @@ def test_bad_margins_are_refused_by_the_parser(qwen3_folder, value, capsys):
         build_parser().parse_args(["serve", qwen3_folder, "--code2wav-playback-margin", value])
     assert e.value.code == 2
     assert "seconds >= 0 or 'off'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, want", [([], False), (["--token2wav-catch-up"], True)])
+def test_catch_up_reaches_the_vocoder_settings(tiny_omni, flag, want):
+    settings = omni_options(build_parser().parse_args(["serve", tiny_omni] + flag), tiny_omni)["omni_settings"]
+    assert settings.vocoder.catch_up is want

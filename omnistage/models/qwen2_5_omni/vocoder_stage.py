@@ -61,9 +61,9 @@ class VocoderSettings:
     # Xeon with AMX); mel within ~0.2% RMS of float32. Off: outputs match the reference (float32).
     bf16_dit: bool = False
     # Opt-in throughput under overload: while a request's listener has run dry (the stage sent
-    # less speech than the time since its first chunk), its next later chunk takes every code
-    # the stream has (up to the stream's largest chunk), so an utterance needs fewer windows,
-    # each recomputing the DiT's look-back and look-ahead (Token2WavStream.next_chunk).
+    # less speech than the time since its first chunk), its next later chunk is the stream's
+    # largest (it waits for those codes), so an utterance needs fewer windows, each
+    # recomputing the DiT's look-back and look-ahead (Token2WavStream.next_chunk).
     # Off: the chunking is a function of the codes alone, so a request's audio is the same
     # bits under any load; on, it depends on timing within the chunking's ~1e-5 of the mel.
     catch_up: bool = False
