@@ -97,8 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Qwen2.5-Omni, opt-in: the token2wav DiT's matmuls in bfloat16 (not the "
                         "reference's numerics)")
     p.add_argument("--token2wav-catch-up", action="store_true",
-                   help="Qwen2.5-Omni, opt-in: a stream whose listener ran dry takes every code it "
-                        "has in its next chunk (VocoderSettings.catch_up)")
+                   help="Qwen2.5-Omni, opt-in: while a listener has run dry, later chunks are the "
+                        "largest (VocoderSettings.catch_up)")
     p.add_argument("--frame-budget", type=int, default=None,
                    help=f"Qwen2.5-Omni: token2wav mel frames per step (VocoderSettings.frame_budget, "
                         f"default {VOCODER_FRAME_BUDGET})")

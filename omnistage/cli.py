@@ -78,11 +78,11 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "dot products (1.3x float32 on an AMD Zen 5), autocast elsewhere; mel "
                         "within ~0.2%% RMS of float32 (default: float32, as the reference)")
     g.add_argument("--token2wav-catch-up", action="store_true",
-                   help="Qwen2.5-Omni, opt-in throughput under overload: a request whose listener "
-                        "ran dry gets the largest speech-decoder chunk next, so fewer windows "
-                        "recompute the DiT's context (+10-11%% audio per second at 16 requests on "
-                        "2 cores); its audio then depends on timing within ~1e-5 (default: chunks "
-                        "by the codes alone)")
+                   help="Qwen2.5-Omni, opt-in throughput under overload: while a listener has run "
+                        "dry, every request's next speech-decoder chunk is the largest, so fewer "
+                        "windows recompute the DiT's context (+15-20%% audio per second at 16 "
+                        "requests on 2 cores); audio then depends on timing within ~1e-5 "
+                        "(default: chunks by the codes alone)")
     g.add_argument("--code2wav-playback-margin", type=_margin, default=0.6, metavar="SECONDS|off",
                    help="Qwen3-Omni: a listener with less than this much sent speech left to play "
                         "gets the frames its request has at once instead of the next chunk size "

@@ -117,7 +117,7 @@ class Token2WavStream:
         self.vocoder = VocoderStream(model.vocoder, self.vctx)
         self.finishing = self.closed = False
         self.num_chunks = 0      # chunks decoded so far (sizes grow with it)
-        # Set by the caller (the vocoder stage, while the listener has run dry): later chunks
+        # Set by the caller (the vocoder stage, while it is behind its listeners): later chunks
         # are the largest (next_chunk), fewer windows for the codes than the schedule's.
         self.catch_up = False
 

@@ -138,22 +138,27 @@ def test_warm_up_decodes_streamed_chunks_only_and_changes_no_output(model):
 
 
 @pytest.mark.parametrize("catch_up", [False, True])
-def test_catch_up_gives_a_listener_that_ran_dry_the_largest_chunk(model, catch_up):
-    """With catch_up, a stream whose listener ran dry (the clock past the speech the stage sent
-    since its first chunk) waits for the largest chunk's codes and decodes them in one window;
-    one still playing keeps the schedule (chunks 16, 16, 32, 64 codes). Off (the default), the
-    clock changes nothing: the chunking follows the codes alone."""
+def test_catch_up_gives_the_largest_chunks_once_a_listener_ran_dry(model, catch_up):
+    """With catch_up, once a listener has run dry (the clock past the speech the stage sent it
+    since its first chunk) the stage is behind: every stream, the dry one and one still
+    playing, waits for the largest chunk's codes and decodes them in one window; before, the
+    schedule (chunks 16, 16, 32, 64 codes). Off (the default), the clock changes nothing: the
+    chunking follows the codes alone."""
     now = [0.0]
     stage = make_stage(model, clock=lambda: now[0], catch_up=catch_up,
                        stream=StreamConfig(16, 4, 8, max_chunk_size=64))
     send(stage, "a", codes(20, 0))
-    [first] = stage.step()                                   # chunk 0: 16 codes
+    [first] = stage.step()                                   # a's chunk 0: 16 codes
     played = first.payload.samples.numel() / first.payload.sample_rate
-    send(stage, "a", codes(16, 1))                           # chunk 1's 16 codes + look-ahead
-    now[0] = played / 2                                      # still playing: the schedule
-    assert stage.has_work() and stage._streams["a"].next_chunk() == 16
-    now[0] = played + 1.0                                    # ran dry 1 s ago
+    now[0] = played / 2
+    send(stage, "b", codes(20, 1))
+    assert served(stage.step()) == ["b"]                     # b's chunk 0, at played / 2
+    send(stage, "a", codes(16, 2))                           # chunk 1's 16 codes + look-ahead
+    send(stage, "b", codes(16, 3))
+    assert stage.has_work() and stage._streams["a"].next_chunk() == 16    # a still playing
+    now[0] = played + 0.01                                   # a ran dry; b has half of it left
     assert stage.has_work() != catch_up
-    send(stage, "a", codes(48, 2))                           # 84 codes: 16 + 64 + 4 of look-ahead
-    assert served(stage.step()) == ["a"]
-    assert stage._streams["a"].next == (80 if catch_up else 32)
+    send(stage, "a", codes(48, 4))                           # 84 codes: 16 + 64 + 4 of look-ahead
+    send(stage, "b", codes(48, 5))
+    assert sorted(served(stage.step())) == ["a", "b"]
+    assert [stage._streams[r].next for r in "ab"] == ([80, 80] if catch_up else [32, 32])
