@@ -23,27 +23,24 @@ def unsupported_reason(head_dim: int, block: int) -> str | None:
 
 
 class WindowAttentionKernel:
-    """The kernel compiled for one (head_dim, block), for qkv and outputs in float32 or bf16
-    (each build made on first use; raises NativeBuildError where it does not build)."""
+    """The kernel compiled for one (head_dim, block), for qkv and outputs in float32 and in
+    bf16 (raises NativeBuildError where either does not build: both are built here, so a
+    failure falls back to torch ops when the kernel is attached, never in a forward)."""
 
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, head_dim: int, block: int):
         self.head_dim, self.block = head_dim, block
-        self._fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        self._fn(torch.float32)
+        self._fns = {dtype: self._load(dtype) for dtype in self.DTYPES}
 
-    def _fn(self, dtype: torch.dtype) -> ctypes._CFuncPtr:
-        fn = self._fns.get(dtype)
-        if fn is None:
-            defines = {"HEAD_DIM": self.head_dim, "BLOCK": self.block}
-            if dtype == torch.bfloat16:
-                defines["IO_BF16"] = 1
-            fn = ctypes.CDLL(str(build_library(SOURCE, defines))).window_attention
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+    def _load(self, dtype: torch.dtype) -> ctypes._CFuncPtr:
+        defines = {"HEAD_DIM": self.head_dim, "BLOCK": self.block}
+        if dtype == torch.bfloat16:
+            defines["IO_BF16"] = 1
+        fn = ctypes.CDLL(str(build_library(SOURCE, defines))).window_attention
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.restype = ctypes.c_int
         return fn
 
     def supports(self, qkv: torch.Tensor, back: int, ahead: int) -> bool:
@@ -70,8 +67,8 @@ class WindowAttentionKernel:
         qkv, lengths = qkv.contiguous(), lengths.contiguous()
         angles = None if rope is None else torch.view_as_real(rope.contiguous())   # (B, T, 1, D/2, 2)
         out = torch.empty((b, t, h * d), dtype=qkv.dtype)
-        if out.numel() and self._fn(qkv.dtype)(qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(),
-                                               None if angles is None else angles.data_ptr(), b, t, h,
-                                               back, ahead, scale) != 0:
+        if out.numel() and self._fns[qkv.dtype](qkv.data_ptr(), out.data_ptr(), lengths.data_ptr(),
+                                                None if angles is None else angles.data_ptr(), b, t, h,
+                                                back, ahead, scale) != 0:
             raise MemoryError("window attention kernel: a thread could not allocate its scratch")
         return out

@@ -471,8 +471,8 @@ class DiTModel(nn.Module):
 
     def use_native_attention(self) -> int:
         """Every block's attention as one native call (kernels/window_attention.c) where it
-        builds and fits: float32 on the CPU (the packed bf16 path's attention is float32 too;
-        autocast's bf16 stays on SDPA). On the small checkpoint (16 rows x 120 frames, 4 heads,
+        builds and fits: float32 or bf16 on the CPU (with packed bf16 GEMMs q|k|v and the
+        output stay bf16). On the small checkpoint (16 rows x 120 frames, 4 heads,
         Zen 5) a layer's attention with its window building took 0.65-2.7 ms, now 0.33-0.80 ms
         (RoPE included); values within ~1e-5 of SDPA's. -> how many layers took it (0: none)."""
         c = self.config
