@@ -44,6 +44,18 @@ def test_native_equals_torch(kernel, channels, dilation, length):
     torch.testing.assert_close(got, want, atol=2e-6 * scale, rtol=1e-5)
 
 
+@pytest.mark.parametrize("channels,dilation,length", [(16, 9, 50), (32, 3, 241), (48, 1, 700), (128, 3, 61)])
+def test_avx2_width_build_gives_the_same_bits(kernel, channels, dilation, length):
+    """The 8-lane tiles (CPUs without AVX-512) and the 16-lane ones (where this CPU has it)
+    add the same products in the same order: the same bits, for 16-channel remainders too."""
+    m = unit(channels, dilation, seed=channels + dilation)
+    x = torch.randn(2, length, channels, generator=torch.Generator().manual_seed(length)) * 2
+    m.kernel = kernel
+    wide = m(x)
+    m.kernel = Code2WavUnitKernel(wide_vectors=False)
+    assert torch.equal(m(x), wide)
+
+
 def test_strided_view_and_rows_alone(kernel):
     """A sliced time-major view (batch stride longer than L * C) reads each step where it is,
     and a row's output is the same bits alone as in a batch (every step's arithmetic is the

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import stat
@@ -63,6 +64,15 @@ def compiler() -> str:
     if not cc:
         raise NativeBuildError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
     return cc
+
+
+def narrow_vectors() -> tuple[dict[str, int], tuple[str, ...]]:
+    """The defines and flags that build a kernel's AVX2-width paths even on a CPU with AVX-512:
+    the paths CPUs without it take, so that they are run and tested everywhere. On x86 the
+    compiler must not use AVX-512 anywhere either (it would, for -march=native, in the
+    8-lane code too)."""
+    flags = ("-mno-avx512f",) if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else ()
+    return {"OMNISTAGE_NO_AVX512": 1}, flags
 
 
 def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] = ()) -> Path:

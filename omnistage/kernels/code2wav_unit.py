@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.kernels.build import build_library
+from omnistage.kernels.build import build_library, narrow_vectors
 from omnistage.kernels.linear import pointer
 
 SOURCE = Path(__file__).with_name("code2wav_unit.c")
@@ -35,10 +35,14 @@ class UnitWeights:
 
 
 class Code2WavUnitKernel:
-    """The compiled kernel (raises NativeBuildError where it does not build)."""
+    """The compiled kernel (raises NativeBuildError where it does not build).
 
-    def __init__(self):
-        lib = ctypes.CDLL(str(build_library(SOURCE, {})))
+    wide_vectors=False builds the AVX2-width path (8-lane tiles of 6 steps) even on a CPU with
+    AVX-512 (16-lane tiles of 12 steps): the same sums in the same order, so the same bits."""
+
+    def __init__(self, wide_vectors: bool = True):
+        defines, flags = ({}, ()) if wide_vectors else narrow_vectors()
+        lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.code2wav_unit
         self._fn.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, p, p, p, p, p, p]

@@ -6,18 +6,16 @@ int8 (per channel or per group) or int4 (weight_pack.py); activations and result
 from __future__ import annotations
 
 import ctypes
-import platform
 from pathlib import Path
 
 import torch
 
-from omnistage.kernels.build import build_library, pick_native
+from omnistage.kernels.build import build_library, narrow_vectors, pick_native
 from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
 _SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
             "int4": "linear_i4", "int8g": "linear_i8g", "int4k": "linear_i4k"}
-_X86 = ("x86_64", "amd64", "i386", "i686")
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -44,12 +42,7 @@ class NativeLinearKernel:
     AVX-512: the path CPUs without it take, so it is tested everywhere."""
 
     def __init__(self, wide_vectors: bool = True):
-        defines, flags = {}, ()
-        if not wide_vectors:
-            defines = {"OMNISTAGE_NO_AVX512": 1}
-            # On x86 the compiler must not use AVX-512 anywhere either (it would, for
-            # -march=native, in the 8-lane code too).
-            flags = ("-mno-avx512f",) if platform.machine().lower() in _X86 else ()
+        defines, flags = ({}, ()) if wide_vectors else narrow_vectors()
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.segmented = lib.linear_segments
