@@ -2,6 +2,10 @@
 the stage's step for every request that produced a code this step, batched across requests.
 
 One step:
+  0. the thinker's vectors that arrived since the last step are projected to the talker's
+     width together (text_projection / hidden_projection, one call each for all requests:
+     the native linear's rows do not depend on the batch, so the same bits as one by one),
+     new requests join the engine and the inputs that became complete go to the feeds;
   1. the engine steps the talker (continuous batching, paged KV): each running request whose
      input is ready computes one position and samples codebook 0;
   2. every request that sampled a code and goes on gets its frame completed at once: the code
@@ -25,12 +29,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from omnistage.errors import OmniStageError
 from omnistage.llm.engine import LLMEngine
 from omnistage.llm.sequence import EmbedFeed
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.messages import HIDDEN, CodecFrames, TalkerStart, TalkerText
 from omnistage.outputs import Delta
-from omnistage.stage_messages import StageOutput
+from omnistage.stage_messages import StageFailure, StageOutput
 from omnistage.stages.ar import ARStage
 
 PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8     # transformers' code predictor sampling (temperature 1)
@@ -66,6 +71,7 @@ class _Speech:
 
     feed: EmbedFeed
     generator: torch.Generator | None        # None: greedy code predictor
+    raw: list[torch.Tensor] = field(default_factory=list)   # reply rows (n, Ht) not projected yet
     text: deque = field(default_factory=deque)        # projected reply rows not used yet (H,)
     residuals: deque = field(default_factory=deque)   # frame residual embeddings waiting for text
     reply_done: bool = False                 # the thinker finished: text-end, then pad rows
@@ -79,60 +85,103 @@ class TalkerStage(ARStage):
         super().__init__(name, engine)
         self.parts = parts
         self._speech: dict[str, _Speech] = {}
+        # What arrived since the last step (taken at its start, _take_arrivals): requests to
+        # start, and the speeches with new reply rows or a finished reply, in arrival order.
+        self._starts: list[TalkerStart] = []
+        self._touched: dict[str, _Speech] = {}
         with torch.inference_mode():
             rows = parts.text_projection(torch.stack([parts.text_end, parts.text_pad]))
         self._text_end, self._text_pad = rows[0], rows[1]
 
     # ---- input ----------------------------------------------------------------------------
     def add(self, message: TalkerStart | TalkerText) -> None:
+        """Recorded here, computed at the next step (see the module docstring, step 0)."""
         if isinstance(message, TalkerText):
             s = self._speech.get(message.request_id)
             if s is None:                     # aborted or finished meanwhile
                 return
             if message.rows is not None and message.rows.numel():
-                with torch.inference_mode():
-                    s.text.extend(self._project_text(message.rows).unbind(0))
+                s.raw.append(message.rows)
             s.reply_done = s.reply_done or message.finished
-            self._pump(s)
+            self._touched[message.request_id] = s
             return
-        self._start(message)
+        gen = None
+        if message.params.temperature > 0:
+            gen = torch.Generator(device="cpu")
+            if message.params.seed is not None:
+                gen.manual_seed(message.params.seed)
+            else:
+                gen.seed()
+        self._speech[message.request_id] = _Speech(EmbedFeed(), gen)
+        self._starts.append(message)
+
+    def has_work(self) -> bool:
+        return bool(self._starts or self._touched) or super().has_work()
+
+    def num_requests(self) -> int:
+        return super().num_requests() + len(self._starts)
+
+    @torch.inference_mode()
+    def _take_arrivals(self) -> list[StageOutput]:
+        """Start the new requests and project the new reply rows, each kind in one call;
+        -> the requests the engine refused."""
+        refused = []
+        if self._starts:
+            starts, self._starts = self._starts, []
+            refused = self._start(starts)
+        if self._touched:
+            touched, self._touched = list(self._touched.values()), {}
+            fresh = [s for s in touched if s.raw]
+            if fresh:
+                rows = [torch.cat(s.raw) for s in fresh]
+                projected = self._project_text(torch.cat(rows)).split([r.shape[0] for r in rows])
+                for s, p in zip(fresh, projected):
+                    s.text.extend(p.unbind(0))
+                    s.raw.clear()
+            for s in touched:
+                self._pump(s)
+        return refused
 
     def _project_text(self, rows: torch.Tensor) -> torch.Tensor:
         p = self.parts.text_projection
         return p(rows.to(p.linear_fc1.weight.dtype))
 
-    @torch.inference_mode()
-    def _start(self, m: TalkerStart) -> None:
+    def _start(self, starts: list[TalkerStart]) -> list[StageOutput]:
+        """The prompts of `starts` (still speaking: not aborted meanwhile) into the engine;
+        -> a failure for each one it refused (e.g. a prompt over the talker's max_model_len)."""
+        starts = [m for m in starts if m.request_id in self._speech]
+        if not starts:
+            return []
         p, model = self.parts, self.engine.model
-        rows = m.rows.to(p.text_projection.linear_fc1.weight.dtype)
-        hidden = torch.tensor(m.kinds, device=rows.device) == HIDDEN
+        rows = torch.cat([m.rows for m in starts]).to(p.text_projection.linear_fc1.weight.dtype)
+        hidden = torch.tensor([k for m in starts for k in m.kinds], device=rows.device) == HIDDEN
         embeds = torch.empty(rows.shape[0], model.input_size, dtype=rows.dtype, device=rows.device)
         embeds[~hidden] = p.text_projection(rows[~hidden])
         if hidden.any():
             embeds[hidden] = p.hidden_projection(rows[hidden])
-        codec = torch.tensor(m.codec_ids, device=rows.device)
+        codec = torch.tensor([c for m in starts for c in m.codec_ids], device=rows.device)
         has = codec >= 0
         embeds[has] += model.embed(codec[has])
-        feed = EmbedFeed()
-        params = m.params
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator(device="cpu")
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-            else:
-                gen.seed()
-        # placeholder ids the penalties may see: transformers' talker penalises generated codes
-        # only, so the prompt holds a suppressed id (codec pad), never a sampled one
-        ids = [p.prompt_id] * rows.shape[0]
-        self.engine.add_request(m.request_id, ids, params, prompt_embeds=embeds, return_hidden_states=True,
-                                mrope_positions=m.mrope_positions, position_delta=m.position_delta,
-                                embed_feed=feed)
-        self._speech[m.request_id] = _Speech(feed, gen)
+        refused = []
+        for m, e in zip(starts, embeds.split([m.rows.shape[0] for m in starts])):
+            # placeholder ids the penalties may see: transformers' talker penalises generated
+            # codes only, so the prompt holds a suppressed id (codec pad), never a sampled one
+            try:
+                self.engine.add_request(m.request_id, [p.prompt_id] * e.shape[0], m.params, prompt_embeds=e,
+                                        return_hidden_states=True, mrope_positions=m.mrope_positions,
+                                        position_delta=m.position_delta,
+                                        embed_feed=self._speech[m.request_id].feed)
+            except OmniStageError as err:
+                self._speech.pop(m.request_id)
+                self._touched.pop(m.request_id, None)
+                refused.append(StageOutput(self.name, m.request_id, StageFailure.of(m.request_id, err),
+                                           final=True))
+        return refused
 
     def _pump(self, s: _Speech) -> None:
-        """Push the talker inputs that are complete: residual + reply row (or end/pad row)."""
-        while s.residuals:
+        """Push the talker inputs that are complete: residual + reply row (or end/pad row).
+        Reply rows not projected yet come first, so none may be pending (_take_arrivals)."""
+        while s.residuals and not s.raw:
             if s.text:
                 text = s.text.popleft()
             elif s.reply_done:
@@ -144,10 +193,10 @@ class TalkerStage(ARStage):
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[StageOutput]:
+        out = self._take_arrivals()
         deltas = [d for d in self.engine.step() if d.index == 0]
         going = [d for d in deltas if d.token_ids and not d.finished]
         frames = self._complete_frames(going) if going else {}
-        out = []
         for d in deltas:
             codes = frames.get(d.request_id)
             if d.finished:
@@ -188,7 +237,8 @@ class TalkerStage(ARStage):
         return pick
 
     def abort(self, request_id: str) -> None:
-        self._speech.pop(request_id, None)
+        self._speech.pop(request_id, None)        # a pending start is dropped with it
+        self._touched.pop(request_id, None)
         super().abort(request_id)
 
 

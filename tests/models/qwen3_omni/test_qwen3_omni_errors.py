@@ -96,3 +96,20 @@ def test_every_tiny_size_is_a_consistent_folder(size):
 
     _, ids = build_qwen3_omni_tokenizer(SIZES[size].text.vocab_size, 32768)
     check_config(make_config(size, {}, ids).to_dict(), f"tiny {size}")
+
+
+def test_talker_refusing_a_prompt_fails_that_request_only(folder):
+    """The talker's prompt is the thinker's and a few rows more (10 tokens -> 16 rows here): one
+    that fits the thinker's context but not the talker's fails as a client error (the talker
+    takes its new requests at its next step, batched), and the engine goes on serving."""
+    chat = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    with Omni(folder, num_threads=1) as omni:
+        [text] = omni.generate(chat, params, output=OutputOptions(modalities=["text"]))
+    limit = len(text.prompt_token_ids) + params.max_tokens + 1     # the thinker's whole request fits
+    with Omni(folder, num_threads=1, max_model_len=limit) as omni:
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            omni.generate(chat, params, output=OutputOptions(voice="aiden"))
+        [again] = omni.generate(chat, params, output=OutputOptions(modalities=["text"]))
+        assert again.token_ids == text.token_ids and again.audio is None
+        assert not omni.engine.has_unfinished_requests()
