@@ -5,6 +5,14 @@ Built from `Qwen2_5OmniBigVGANConfig`; parameter names equal the checkpoint's na
 frames with `receptive_field()` frames of context on each side gives, after cropping, the same
 samples as a run over the whole utterance (the streaming vocoder relies on it).
 
+A window's run can be asked for part of its samples (`forward(mel, emit=...)`, what a stream
+emits of a window): every layer then computes only the outputs those samples read, found by
+walking the layers back from the emitted range (each layer's reach, `needs`). A stream's window
+carries receptive_field() frames of context on each side, all of which the first, 1-sample-a-
+frame layers read, but the 24 kHz layers reach a fraction of a frame: run whole, a 48-frame
+chunk cost 120 frames at every layer (small checkpoint, 8 windows of 48 + 72 frames: 152 ms
+whole, 90 ms for the 48 new frames; of 288 + 72: 477 against 412 ms).
+
 Inside, every layer runs time-major (layers/time_major.py): activations (B, L, C), each
 convolution fed the channels-last view. The anti-aliased activations' depthwise resampling
 filters ran 3-9x slower in PyTorch's (B, C, L) layout (oneDNN reordered every input and output),
@@ -14,7 +22,9 @@ and the vocoder's regular convolutions 10-20% slower.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +38,65 @@ from omnistage.layers.snake import TimeMajorSnakeBeta
 # The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
 RESAMPLE_RATIO = 2
 RESAMPLE_TAPS = 12
+# Input steps on each side an anti-aliased activation's output step reads (upsampling FIR,
+# SnakeBeta, downsampling FIR): 5 for 12 taps at ratio 2.
+ACT_REACH = (2 * RESAMPLE_TAPS - 2) // (2 * RESAMPLE_RATIO)
+
+
+# ---- computing part of a layer's outputs --------------------------------------------------
+# Ranges are [lo, hi) of steps of a layer's input or output over the whole window (0: the
+# window's first step at that layer's rate); `length`: the layer input's steps in the window.
+# x holds the input steps [x_lo, x_lo + x.shape[1]) (at least what the range needs). The
+# window's edges are the signal's: zeros (convolutions) or its edge steps repeated
+# (activations) beyond them, as a run over the whole window pads.
+
+def _clamp(lo: int, hi: int, length: int) -> tuple[int, int]:
+    return max(lo, 0), min(hi, length)
+
+
+def conv_needs(conv: nn.Conv1d, lo: int, hi: int, length: int) -> tuple[int, int]:
+    """The input steps a stride-1 convolution's outputs [lo, hi) read (padding `p` each side)."""
+    p, span = conv.padding[0], (conv.kernel_size[0] - 1) * conv.dilation[0]
+    return _clamp(lo - p, hi - p + span, length)
+
+
+def conv_part(conv: nn.Conv1d, x: torch.Tensor, x_lo: int, lo: int, hi: int, length: int) -> torch.Tensor:
+    """The convolution's outputs [lo, hi): its read range's steps (zeros where that range
+    leaves the window) convolved without the module's own padding."""
+    p, span = conv.padding[0], (conv.kernel_size[0] - 1) * conv.dilation[0]
+    s, e = conv_needs(conv, lo, hi, length)
+    pad = max(s - (lo - p), (hi - p + span) - e)   # zeros for the range outside the window
+    y = time_major.conv1d(conv, x[:, s - x_lo:e - x_lo], padding=pad)
+    first = lo - (s - pad + p)                     # output row o is step s - pad + p + o
+    return y[:, first:first + hi - lo]
+
+
+def up_needs(up: nn.ConvTranspose1d, lo: int, hi: int, length: int) -> tuple[int, int]:
+    """The input steps a transposed convolution's outputs [lo, hi) read: output j takes input
+    i where 0 <= j + pad - i * stride < kernel."""
+    k, u, pad = up.kernel_size[0], up.stride[0], up.padding[0]
+    return _clamp(-((k - 1 - pad - lo) // u), (hi - 1 + pad) // u + 1, length)
+
+
+def up_part(up: nn.ConvTranspose1d, x: torch.Tensor, x_lo: int, lo: int, hi: int, length: int) -> torch.Tensor:
+    """The transposed convolution's outputs [lo, hi) (output row o of input steps from s is
+    step s * stride + o; the outputs near a cut edge, which miss inputs, are not among them)."""
+    s, e = up_needs(up, lo, hi, length)
+    y = time_major.conv_transpose1d(up, x[:, s - x_lo:e - x_lo])
+    first = lo - s * up.stride[0]
+    return y[:, first:first + hi - lo]
+
+
+def act_needs(lo: int, hi: int, length: int) -> tuple[int, int]:
+    return _clamp(lo - ACT_REACH, hi + ACT_REACH, length)
+
+
+def act_part(act: nn.Module, x: torch.Tensor, x_lo: int, lo: int, hi: int, length: int) -> torch.Tensor:
+    """An anti-aliased activation's outputs [lo, hi): it runs over its read range and pads that
+    range's edges with their steps, right at the window's edges, and elsewhere only in outputs
+    within ACT_REACH of them, which are dropped."""
+    s, e = act_needs(lo, hi, length)
+    return act(x[:, s - x_lo:e - x_lo])[:, lo - s:hi - s]
 
 
 def kaiser_sinc(cutoff: float, half_width: float, taps: int, device: torch.device) -> torch.Tensor:
@@ -104,6 +173,12 @@ class AMPBlock(nn.Module):
             x = x + time_major.conv1d(conv2, self.activations[2 * i + 1](y))
         return x
 
+    @property
+    def reach(self) -> int:
+        """Input steps on each side an output step reads: per unit, both activations and both
+        convolutions (each convolution's padding, symmetric)."""
+        return sum(2 * ACT_REACH + c1.padding[0] + c2.padding[0] for c1, c2 in zip(self.convs1, self.convs2))
+
 
 class BigVGAN(nn.Module):
     def __init__(self, c, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -154,15 +229,64 @@ class BigVGAN(nn.Module):
         frames += (act + 3) / rate
         return math.ceil(frames)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel (B, mel_dim, F) natural-log amplitudes -> (B, F * hop) in [-1, 1]."""
-        h = time_major.conv1d(self.conv_pre, _normalise_log_mel(mel).transpose(1, 2).contiguous())
-        for i, (up,) in enumerate(self.ups):
-            h = time_major.conv_transpose1d(up, h)                        # (B, L * u, C / 2)
-            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            h = sum(b(h) for b in blocks) / self.num_kernels
-        h = time_major.conv1d(self.conv_post, self.activation_post(h))    # (B, S, 1)
+    def forward(self, mel: torch.Tensor, emit: tuple[int, int] | None = None) -> torch.Tensor:
+        """mel (B, mel_dim, F) natural-log amplitudes -> (B, F * hop) in [-1, 1]; with emit =
+        (first, end), only the samples of frames [first, end): (B, (end - first) * hop), each
+        layer run over the outputs those samples read (see the module docstring). The same
+        values as the whole window's, up to float rounding (convolutions of other lengths)."""
+        x = _normalise_log_mel(mel).transpose(1, 2).contiguous()          # (B, F, mel_dim)
+        frames = x.shape[1]
+        first, end = (0, frames) if emit is None else emit
+        if not 0 <= first < end <= frames:
+            raise ValueError(f"emit must be frames (first, end) with 0 <= first < end <= {frames}; got {emit}")
+        steps = self._steps()
+        lengths = [frames]                       # each step's input length, then the output's
+        for step in steps:
+            lengths.append(lengths[-1] * step.scale)
+        ranges = [(first * self.hop, end * self.hop)]   # each step's output range, last first
+        for step, length in zip(reversed(steps), reversed(lengths[:-1])):
+            ranges.append(step.needs(*ranges[-1], length))
+        ranges.reverse()                         # ranges[i]: step i's input; [-1]: the samples
+        h, h_lo = x[:, ranges[0][0]:ranges[0][1]], ranges[0][0]
+        for step, (lo, hi), length in zip(steps, ranges[1:], lengths):
+            h, h_lo = step.part(h, h_lo, lo, hi, length), lo
         return h.clamp(-1.0, 1.0).squeeze(2)
+
+    def _steps(self) -> list[_Step]:
+        """conv_pre; per resolution the transposed conv (x u) and the AMP blocks' mean; the
+        final activation and conv_post."""
+        steps = [_Step(partial(conv_part, self.conv_pre), partial(conv_needs, self.conv_pre))]
+        for i, (up,) in enumerate(self.ups):
+            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            steps += [_Step(partial(up_part, up), partial(up_needs, up), up.stride[0]),
+                      _Step(partial(_blocks_part, blocks), partial(_blocks_needs, blocks))]
+        return steps + [_Step(partial(act_part, self.activation_post), act_needs),
+                        _Step(partial(conv_part, self.conv_post), partial(conv_needs, self.conv_post))]
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One layer (or a resolution's blocks) of BigVGAN.forward: part(x, x_lo, lo, hi, length),
+    needs(lo, hi, length) as conv_part / conv_needs; scale: output steps per input step."""
+    part: Callable[..., torch.Tensor]
+    needs: Callable[[int, int, int], tuple[int, int]]
+    scale: int = 1
+
+
+def _blocks_needs(blocks: Sequence[AMPBlock], lo: int, hi: int, length: int) -> tuple[int, int]:
+    reach = max(b.reach for b in blocks)
+    return _clamp(lo - reach, hi + reach, length)
+
+
+def _blocks_part(blocks: Sequence[AMPBlock], x: torch.Tensor, x_lo: int, lo: int, hi: int,
+                 length: int) -> torch.Tensor:
+    """A resolution's AMP blocks, all on the same input, averaged (as transformers sums them).
+    Every layer of the blocks runs over the whole input read (its edge steps padded, wrong only
+    within the reach of an edge that is not the window's, which is cut): the units' ranges
+    shrink by only ~a hundred steps, and at one length the blocks' 18 convolutions share 12
+    oneDNN primitives instead of taking 18 of their own."""
+    h = sum(b(x) for b in blocks) / len(blocks)
+    return h[:, lo - x_lo:hi - x_lo]
 
 
 def _normalise_log_mel(mel: torch.Tensor) -> torch.Tensor:
@@ -175,22 +299,31 @@ def _normalise_log_mel(mel: torch.Tensor) -> torch.Tensor:
 @dataclass
 class VocoderJob:
     """One vocoder window of a stream: mel (mel_dim, frames) from absolute frame `lo`; the
-    samples of frames [done, end) are new."""
+    samples of frames [first, end) are new."""
     window: torch.Tensor
     lo: int
+    first: int
     end: int
+
+    @property
+    def emit(self) -> tuple[int, int]:
+        """The new frames within the window."""
+        return self.first - self.lo, self.end - self.lo
 
 
 @torch.no_grad()
-def vocode_windows(vocoder: BigVGAN, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """BigVGAN over several (mel_dim, frames) windows: equal lengths share one batched pass
-    (small windows, such as many streams' first chunks, cost little more together than one)."""
-    out: list[torch.Tensor | None] = [None] * len(windows)
-    by_len: dict[int, list[int]] = {}
-    for i, w in enumerate(windows):
-        by_len.setdefault(w.shape[1], []).append(i)
-    for idx in by_len.values():
-        wav = vocoder(torch.stack([windows[i] for i in idx]))
+def vocode_windows(vocoder: BigVGAN, jobs: list[VocoderJob]) -> list[torch.Tensor]:
+    """Each job's new samples ((end - first) * hop,). Windows of equal length and new frames
+    share one batched pass (small windows, such as many streams' first chunks, cost little more
+    together than one). Not the union of their new frames: every new layer shape costs oneDNN
+    a primitive (a pass of lengths it has not seen took 102-130 ms against 31-53 ms again,
+    2 windows), and a stream's windows come in a few shapes (its chunk schedule's)."""
+    out: list[torch.Tensor | None] = [None] * len(jobs)
+    groups: dict[tuple[int, tuple[int, int]], list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault((job.window.shape[1], job.emit), []).append(i)
+    for (_, emit), idx in groups.items():
+        wav = vocoder(torch.stack([jobs[i].window for i in idx]), emit=emit)
         for row, i in enumerate(idx):
             out[i] = wav[row]
     return out
@@ -213,7 +346,7 @@ class VocoderStream:
     def push(self, mel: torch.Tensor, final: bool = False) -> torch.Tensor | None:
         """mel (mel_dim, frames) following what was pushed before -> new samples, or None."""
         job = self.plan(mel, final)
-        return None if job is None else self.complete(job, self.vocoder(job.window.unsqueeze(0))[0])
+        return None if job is None else self.complete(job, vocode_windows(self.vocoder, [job])[0])
 
     def plan(self, mel: torch.Tensor, final: bool = False) -> VocoderJob | None:
         """Take mel (see push); the window to vocode for the new samples, or None (none yet).
@@ -224,12 +357,10 @@ class VocoderStream:
         if end <= self.done:
             return None
         lo = max(self.start, self.done - self.context)
-        return VocoderJob(self.mel[:, lo - self.start:], lo, end)
+        return VocoderJob(self.mel[:, lo - self.start:], lo, self.done, end)
 
-    def complete(self, job: VocoderJob, wav: torch.Tensor) -> torch.Tensor:
-        """wav: the vocoder's output (samples,) over job.window -> the new samples."""
-        hop = self.vocoder.hop
-        pcm = wav[(self.done - job.lo) * hop:(job.end - job.lo) * hop]
+    def complete(self, job: VocoderJob, pcm: torch.Tensor) -> torch.Tensor:
+        """pcm: the job's new samples (vocode_windows) -> them, the stream moved past them."""
         keep = max(self.start, job.end - self.context)
         self.mel, self.start, self.done = self.mel[:, keep - self.start:], keep, job.end
         return pcm

@@ -232,7 +232,7 @@ class StreamSolve:
         jobs = [None if s.closed else s.take_mel(p, mel)
                 for s, p, mel in zip(self.streams, self.plans, self.ode.result())]
         live = [i for i, j in enumerate(jobs) if j is not None]
-        wavs = vocode_windows(self.streams[0].model.vocoder, [jobs[i].window for i in live])
+        wavs = vocode_windows(self.streams[0].model.vocoder, [jobs[i] for i in live])
         out: list[torch.Tensor | None] = [None] * len(jobs)
         for i, wav in zip(live, wavs):
             out[i] = self.streams[i].vocoder.complete(jobs[i], wav)

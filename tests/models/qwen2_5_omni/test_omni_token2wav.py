@@ -222,6 +222,29 @@ def test_vocoder_windows_are_exact(models):
         assert ((got - whole).abs().max() < 1e-6) == exact
 
 
+@pytest.mark.parametrize("first,end", [(0, 110), (0, 25), (45, 65), (80, 110), (109, 110)])
+def test_vocoder_runs_part_of_a_window(models, first, end):
+    """forward(mel, emit=(first, end)) gives the whole window's samples of those frames (within
+    float rounding: convolutions of other lengths), at the window's edges too, and its 24 kHz
+    layers compute only what those samples read: the last activation sees ~one frame more
+    than the emitted ones, not the window's 110 frames."""
+    voc = models[1].vocoder
+    mel = torch.randn(2, MEL, 110, generator=torch.Generator().manual_seed(first))
+    whole = voc(mel)
+    seen = []
+    hook = voc.activation_post.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[1]))
+    try:
+        got = voc(mel, emit=(first, end))
+    finally:
+        hook.remove()
+    hop = voc.hop
+    torch.testing.assert_close(got, whole[:, first * hop:end * hop], atol=1e-6, rtol=0)
+    reach = 3 + 5                # conv_post's (kernel 7) and the activation's own, in samples
+    assert seen == [min(end * hop + reach, 110 * hop) - max(first * hop - reach, 0)]
+    with pytest.raises(ValueError, match="emit"):
+        voc(mel, emit=(end, end))
+
+
 # Tests that compare two paths with each other (not with a recorded measurement) use 4 ODE
 # steps (9 evaluations instead of 36) to stay fast.
 FAST = 4
