@@ -87,7 +87,7 @@ class TalkerStage(ARStage):
         self._speech: dict[str, _Speech] = {}
         # What arrived since the last step (taken at its start, _take_arrivals): requests to
         # start, and the speeches with new reply rows or a finished reply, in arrival order.
-        self._starts: list[TalkerStart] = []
+        self._starts: dict[str, TalkerStart] = {}
         self._touched: dict[str, _Speech] = {}
         with torch.inference_mode():
             rows = parts.text_projection(torch.stack([parts.text_end, parts.text_pad]))
@@ -113,7 +113,7 @@ class TalkerStage(ARStage):
             else:
                 gen.seed()
         self._speech[message.request_id] = _Speech(EmbedFeed(), gen)
-        self._starts.append(message)
+        self._starts[message.request_id] = message
 
     def has_work(self) -> bool:
         return bool(self._starts or self._touched) or super().has_work()
@@ -127,7 +127,7 @@ class TalkerStage(ARStage):
         -> the requests the engine refused."""
         refused = []
         if self._starts:
-            starts, self._starts = self._starts, []
+            starts, self._starts = list(self._starts.values()), {}
             refused = self._start(starts)
         if self._touched:
             touched, self._touched = list(self._touched.values()), {}
@@ -147,11 +147,8 @@ class TalkerStage(ARStage):
         return p(rows.to(p.linear_fc1.weight.dtype))
 
     def _start(self, starts: list[TalkerStart]) -> list[StageOutput]:
-        """The prompts of `starts` (still speaking: not aborted meanwhile) into the engine;
-        -> a failure for each one it refused (e.g. a prompt over the talker's max_model_len)."""
-        starts = [m for m in starts if m.request_id in self._speech]
-        if not starts:
-            return []
+        """The prompts of `starts` into the engine; -> a failure for each one it refused (e.g.
+        a prompt over the talker's max_model_len)."""
         p, model = self.parts, self.engine.model
         rows = torch.cat([m.rows for m in starts]).to(p.text_projection.linear_fc1.weight.dtype)
         hidden = torch.tensor([k for m in starts for k in m.kinds], device=rows.device) == HIDDEN
@@ -237,7 +234,8 @@ class TalkerStage(ARStage):
         return pick
 
     def abort(self, request_id: str) -> None:
-        self._speech.pop(request_id, None)        # a pending start is dropped with it
+        self._speech.pop(request_id, None)
+        self._starts.pop(request_id, None)
         self._touched.pop(request_id, None)
         super().abort(request_id)
 

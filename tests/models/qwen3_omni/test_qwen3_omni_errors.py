@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
 from omnistage.errors import CheckpointError, InvalidRequestError, ModelLoadError
+from omnistage.models.qwen3_omni.messages import TEXT, TalkerStart, TalkerText
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +116,21 @@ def test_talker_refusing_a_prompt_fails_that_request_only(folder):
         [again] = omni.generate(chat, params, output=OutputOptions(modalities=["text"]))
         assert again.token_ids == text.token_ids and again.audio is None
         assert not omni.engine.has_unfinished_requests()
+
+
+def test_a_request_aborted_before_the_talker_steps_leaves_nothing(folder):
+    """The talker takes a new request at its next step: aborted before that, it never reaches
+    the engine, its reply rows are dropped, and the stage has no work left."""
+    with Omni(folder, num_threads=1) as omni:
+        talker = omni.engine.graph.stages["talker"]
+        config = json.loads((Path(folder) / "config.json").read_text())
+        width = config["talker_config"]["thinker_hidden_size"]
+        start = TalkerStart("gone", torch.randn(6, width), [TEXT] * 6, [-1] * 6,
+                            SamplingParams(max_tokens=4, temperature=0))
+        talker.add(start)
+        talker.add(TalkerText("gone", torch.randn(1, width)))
+        assert talker.has_work() and talker.num_requests() == 1
+        talker.abort("gone")
+        assert talker.step() == []
+        assert not talker.has_work() and talker.num_requests() == 0
+        assert "gone" not in talker.engine.requests
