@@ -213,20 +213,18 @@ class BigVGAN(nn.Module):
 
         Summed per layer in mel-frame units (reach in samples / samples per frame at that layer):
         conv_pre, each transposed conv, the widest AMP block (each unit: two anti-aliased
-        activations, a dilated and a plain conv), the final activation and conv_post. An
-        activation reaches (2 * taps - 2) // (2 * ratio) samples: 5 for 12 taps at ratio 2.
+        activations, a dilated and a plain conv: AMPBlock.reach), the final activation
+        (ACT_REACH) and conv_post.
         """
         c = self.config
-        act = (2 * RESAMPLE_TAPS - 2) // (2 * RESAMPLE_RATIO)
         frames, rate = 3.0, 1
-        for u, k in zip(c.upsample_rates, c.upsample_kernel_sizes):
+        for i, (u, k) in enumerate(zip(c.upsample_rates, c.upsample_kernel_sizes)):
             pad = (k - u) // 2
             frames += math.ceil(max(k - 1 - pad, pad) / u) / rate
             rate *= u
-            amp = max(sum(2 * act + (kk - 1) * d // 2 + (kk - 1) // 2 for d in dil)
-                      for kk, dil in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
-            frames += amp / rate
-        frames += (act + 3) / rate
+            blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
+            frames += max(b.reach for b in blocks) / rate
+        frames += (ACT_REACH + 3) / rate
         return math.ceil(frames)
 
     def forward(self, mel: torch.Tensor, emit: tuple[int, int] | None = None) -> torch.Tensor:
