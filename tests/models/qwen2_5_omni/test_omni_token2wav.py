@@ -222,13 +222,24 @@ def test_vocoder_windows_are_exact(models):
         assert ((got - whole).abs().max() < 1e-6) == exact
 
 
+@pytest.fixture(scope="module")
+def native_vocoder(models):
+    """The fixture's vocoder with its anti-aliased activations on the native kernel."""
+    hf, _ = models
+    t2w = Token2Wav(hf.config)
+    t2w.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+    assert use_native_activations(t2w.vocoder) > 0
+    return t2w.vocoder
+
+
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("first,end", [(0, 110), (0, 25), (45, 65), (80, 110), (109, 110)])
-def test_vocoder_runs_part_of_a_window(models, first, end):
+def test_vocoder_runs_part_of_a_window(models, native_vocoder, native, first, end):
     """forward(mel, emit=(first, end)) gives the whole window's samples of those frames (within
-    float rounding: convolutions of other lengths), at the window's edges too, and its 24 kHz
-    layers compute only what those samples read: the last activation sees ~one frame more
-    than the emitted ones, not the window's 110 frames."""
-    voc = models[1].vocoder
+    float rounding: convolutions of other lengths), at the window's edges too, with the torch
+    or the native activations, and its 24 kHz layers compute only what those samples read: the
+    last activation sees ~one frame more than the emitted ones, not the window's 110 frames."""
+    voc = native_vocoder if native else models[1].vocoder
     mel = torch.randn(2, MEL, 110, generator=torch.Generator().manual_seed(first))
     whole = voc(mel)
     seen = []
