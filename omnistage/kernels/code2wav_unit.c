@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void wide_tile(const float *in, int
 }
 #endif
 
-/* rows x c outputs (rows a multiple of ROWS) of the taps' convolution over in (see tile6). */
+/* rows x c outputs (rows a multiple of ROWS) of the taps' convolution over in (see tile6, wide_tile). */
 static void conv(const float *in, int64_t tap, int taps, const float *w, const float *bias,
                  float *out, int64_t rows, int64_t c) {
     for (int64_t r = 0; r < rows; r += ROWS) {

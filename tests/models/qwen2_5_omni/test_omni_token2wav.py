@@ -94,18 +94,25 @@ def test_decode_matches_transformers(models, guidance):
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
 
 
-def test_native_vocoder_activations_match_transformers(models):
-    """The vocoder with its anti-aliased activations as one native pass each
-    (use_native_activations, as the serving recipe builds it) against transformers' waveform;
-    atol 1e-5 (peak ~0.5)."""
-    hf, ours = models
-    native = Token2Wav(hf.config)
-    native.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
-    assert use_native_activations(native.vocoder) == len(
-        [m for m in native.vocoder.modules() if isinstance(m, AntiAliasedSnake)]) > 0
+@pytest.fixture(scope="module")
+def native_activations(models):
+    """The fixture's token2wav with its vocoder's anti-aliased activations as one native pass
+    each (use_native_activations, as the serving recipe builds it)."""
+    hf, _ = models
+    t2w = Token2Wav(hf.config)
+    t2w.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
+    assert use_native_activations(t2w.vocoder) == len(
+        [m for m in t2w.vocoder.modules() if isinstance(m, AntiAliasedSnake)]) > 0
+    return t2w
+
+
+def test_native_vocoder_activations_match_transformers(models, native_activations):
+    """The vocoder with its anti-aliased activations as one native pass each against
+    transformers' waveform; atol 1e-5 (peak ~0.5)."""
+    hf, _ = models
     codes, cond, ref = utterance(29, seed=7)
     noise, wav_hf = seeded_noise_and_hf_wav(hf, codes, cond, ref, seed=9)
-    wav = native.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
+    wav = native_activations.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
     assert wav.abs().max() > 0.05
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
 
@@ -222,24 +229,14 @@ def test_vocoder_windows_are_exact(models):
         assert ((got - whole).abs().max() < 1e-6) == exact
 
 
-@pytest.fixture(scope="module")
-def native_vocoder(models):
-    """The fixture's vocoder with its anti-aliased activations on the native kernel."""
-    hf, _ = models
-    t2w = Token2Wav(hf.config)
-    t2w.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
-    assert use_native_activations(t2w.vocoder) > 0
-    return t2w.vocoder
-
-
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("on_native", [False, True])
 @pytest.mark.parametrize("first,end", [(0, 110), (0, 25), (45, 65), (80, 110), (109, 110)])
-def test_vocoder_runs_part_of_a_window(models, native_vocoder, native, first, end):
+def test_vocoder_runs_part_of_a_window(models, native_activations, on_native, first, end):
     """forward(mel, emit=(first, end)) gives the whole window's samples of those frames (within
     float rounding: convolutions of other lengths), at the window's edges too, with the torch
     or the native activations, and its 24 kHz layers compute only what those samples read: the
     last activation sees ~one frame more than the emitted ones, not the window's 110 frames."""
-    voc = native_vocoder if native else models[1].vocoder
+    voc = native_activations.vocoder if on_native else models[1].vocoder
     mel = torch.randn(2, MEL, 110, generator=torch.Generator().manual_seed(first))
     whole = voc(mel)
     seen = []
