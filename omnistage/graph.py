@@ -8,12 +8,20 @@ step it was made, so stages overlap within a request and across requests.
 The recipe's router is the only model-specific part: it turns a request into the first
 stage messages, and each stage output into messages for downstream stages and deltas for
 the client. The graph checks every routed message against the declared edges.
+
+One step gives each stage one batched pass, so a stage whose passes are long (a vocoder's
+ODE interval over several streams: 40-100 ms) would hold the stages feeding it to one pass
+per round: a 50 Hz talker then makes ~10-25 codes a second per stream while its listeners
+need 50, and the vocoder ends up waiting for codes it starved. So while a stage is
+`starving` (waiting for input), the stages with an edge into it step again within the round,
+until each has spent as long as the round's longest pass or has nothing to do.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from omnistage.errors import InvalidRequestError, OmniStageError, StageFailedError
 from omnistage.outputs import Delta
@@ -21,6 +29,7 @@ from omnistage.stage_messages import StageFailure, StageOutput
 from omnistage.stages.base import Stage
 
 CLIENT = "client"     # the edge target that means "back to the caller"
+MAX_FEED_PASSES = 64  # extra passes of a starving stage's producers per round (a bound)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,9 @@ class Router(Protocol):
 
 
 class StageGraph:
-    def __init__(self, stages: list[Stage], router: Router):
+    def __init__(self, stages: list[Stage], router: Router, clock: Callable[[], float] = time.perf_counter):
+        """`clock`: seconds, for the time stages spend in a round (see step)."""
+        self.clock = clock
         self.stages = {s.name: s for s in stages}     # insertion order = upstream first
         self.router = router
         names = set(self.stages) | {CLIENT}
@@ -71,6 +82,9 @@ class StageGraph:
         if bad:
             raise ValueError(f"edges name unknown stages: {bad}; stages: {sorted(self.stages)}")
         self._allowed = {(e.src, e.dst) for e in router.edges}
+        # stage -> the stages with an edge into it, upstream first (see step)
+        self._producers = {name: [e.src for e in router.edges if e.dst == name and e.src in self.stages]
+                           for name in self.stages}
         self.num_aborted_requests = 0
         self.last_batch = {name: 0 for name in self.stages}   # requests in each stage's last step
 
@@ -89,23 +103,43 @@ class StageGraph:
         """Step every stage with work. When none has any but stages in other processes are
         busy, wait (up to `wait_s`) until one of them sends something."""
         deltas: list[Delta] = []
-        busy = False
+        spent: dict[str, float] = {}     # seconds each stage stepped in this round
         for stage in self.stages.values():
-            if not stage.has_work():
-                continue
-            busy = True
-            outs = stage.step()
-            self.last_batch[stage.name] = len({o.request_id for o in outs})
-            for out in outs:
-                if isinstance(out.payload, StageFailure):
-                    deltas += self._fail(out.payload)
-                    continue
-                for dst, msg in self.router.route(out):
-                    if not self._deliver(stage.name, dst, msg, deltas):
-                        break          # refused downstream: the request is gone everywhere
-        if not busy:
+            if stage.has_work():
+                spent[stage.name] = self._step_stage(stage, deltas)
+        if spent:
+            self._feed_starving(spent, deltas)
+        else:
             self._wait_remote(wait_s)
         return deltas
+
+    def _step_stage(self, stage: Stage, deltas: list[Delta]) -> float:
+        """One pass of `stage`, its outputs routed; returns the seconds it took."""
+        start = self.clock()
+        outs = stage.step()
+        self.last_batch[stage.name] = len({o.request_id for o in outs})
+        for out in outs:
+            if isinstance(out.payload, StageFailure):
+                deltas += self._fail(out.payload)
+                continue
+            for dst, msg in self.router.route(out):
+                if not self._deliver(stage.name, dst, msg, deltas):
+                    break          # refused downstream: the request is gone everywhere
+        return self.clock() - start
+
+    def _feed_starving(self, spent: dict[str, float], deltas: list[Delta]) -> None:
+        """Extra passes for the producers of starving stages (module docstring), each while
+        its time in this round is below the round's longest pass."""
+        budget = max(spent.values())
+        for _ in range(MAX_FEED_PASSES):
+            feed = [p for name, stage in self.stages.items() if stage.starving()
+                    for p in self._producers[name]]
+            feed = [p for p in self.stages if p in feed and spent.get(p, 0.0) < budget
+                    and self.stages[p].has_work()]
+            if not feed:
+                return
+            for name in feed:
+                spent[name] = spent.get(name, 0.0) + self._step_stage(self.stages[name], deltas)
 
     def _wait_remote(self, timeout: float) -> None:
         from omnistage.runtime.channel import wait_any

@@ -45,6 +45,12 @@ class Stage(Protocol):
         None: only new input brings work."""
         return None
 
+    def starving(self) -> bool:
+        """Whether a request here waits for more input from upstream before its next piece of
+        work (a vocoder stream short of codes for its next chunk). The graph then gives the
+        stages feeding this one extra steps within a round (StageGraph.step). False: never."""
+        return False
+
     def metrics(self) -> list[tuple[str, str, str, float]]:
         """The stage's own (name{labels}, kind, help, value) gauges for /metrics."""
         return []

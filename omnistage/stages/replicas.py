@@ -55,6 +55,9 @@ class ReplicatedStage(Stage):
     def num_requests(self) -> int:
         return sum(r.num_requests() for r in self.replicas)
 
+    def starving(self) -> bool:
+        return any(r.starving() for r in self.replicas)
+
     def close(self) -> None:
         for r in self.replicas:
             r.close()

@@ -160,8 +160,21 @@ class Token2WavStream:
     def next_chunk(self) -> int:
         """Codes in the next chunk (unless it is the tail): the schedule's size (cfg.chunk), or
         with catch_up, after the first chunk, the largest chunk."""
-        size = self.cfg.chunk(self.num_chunks)
-        return max(size, self.cfg.largest_chunk) if self.catch_up and self.num_chunks > 0 else size
+        return self._chunk_size(self.num_chunks)
+
+    def _chunk_size(self, k: int) -> int:
+        size = self.cfg.chunk(k)
+        return max(size, self.cfg.largest_chunk) if self.catch_up and k > 0 else size
+
+    def short_of_codes(self, planned_end: int | None = None) -> bool:
+        """Whether the next chunk still lacks codes (with look-ahead): the one after the chunk
+        ending at `planned_end` while that one is being solved (None: nothing in flight).
+        False once the codes have ended."""
+        if self.closed or self.finishing:
+            return False
+        if planned_end is None:
+            return self.received - self.next < self.next_chunk() + self.cfg.look_ahead
+        return self.received - planned_end < self._chunk_size(self.num_chunks + 1) + self.cfg.look_ahead
 
     def window_frames(self) -> int:
         """Mel frames of the next chunk's ODE window (its cost in a batched solve)."""

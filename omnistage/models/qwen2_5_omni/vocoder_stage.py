@@ -249,6 +249,12 @@ class VocoderStage(Stage):
     def has_work(self) -> bool:
         return not self._pick().idle
 
+    def starving(self) -> bool:
+        """Some stream's next chunk (after the one being solved, for those in the solve)
+        still lacks codes: the talker should run ahead (StageGraph.step)."""
+        ends = dict(zip(self._solving, (p.chunk_end for p in self._solve.plans))) if self._solve else {}
+        return any(s.short_of_codes(ends.get(rid)) for rid, s in self._streams.items())
+
     def wake_after(self) -> float | None:
         """Seconds until held later chunks may run without new input (None: not holding).
         A stage process with nothing to do waits for its next message at most this long."""

@@ -162,3 +162,24 @@ def test_catch_up_gives_the_largest_chunks_once_a_listener_ran_dry(model, catch_
     send(stage, "b", codes(48, 5))
     assert sorted(served(stage.step())) == ["a", "b"]
     assert [stage._streams[r].next for r in "ab"] == ([80, 80] if catch_up else [32, 32])
+
+
+def test_starving_while_a_next_chunk_lacks_codes(model):
+    """The stage asks its producers for more (StageGraph feeds it) while a stream's next chunk
+    lacks codes: the first chunk's 16 + 4 of look-ahead; during a later chunk's solve, the
+    chunk after it; never once the codes have ended."""
+    stage = make_stage(model, intervals_per_step=1)
+    send(stage, "a", codes(10, 0))
+    assert stage.starving() and not stage.has_work()
+    send(stage, "a", codes(10, 1))
+    assert not stage.starving()
+    stage.step()                                         # chunk 0: codes 0-15
+    assert stage.starving()                              # chunk 1 needs codes up to 36
+    send(stage, "a", codes(20, 2))                       # 40 codes
+    assert not stage.starving()
+    stage.step()                                         # chunk 1 (16-31) in flight
+    assert stage._solve is not None and stage.starving() # chunk 2 needs codes up to 52
+    send(stage, "a", codes(12, 3))
+    assert not stage.starving()
+    send(stage, "b", codes(3, 4), finished=True)         # ended: never starving
+    assert not stage.starving()
