@@ -73,6 +73,13 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: 2 DiT blocks plus the vocoder's context, 48 on the released "
                         "model: the first audio lasts until the second chunk is decoded on a CPU; "
                         "24: first audio ~0.1 s sooner, for where the DiT is fast, e.g. a GPU)")
+    g.add_argument("--token2wav-first-chunk-busy", type=int, default=None, metavar="CODES",
+                   help="Qwen2.5-Omni, opt-in for live voice on a CPU: codes in the first chunk of a "
+                        "request whose speech starts while others' is being decoded (default: "
+                        "as alone). 72 on the released model gives those listeners 1.08 s of first "
+                        "speech (48: 0.6 s) to play while the decoder serves every stream; a lone "
+                        "request's first audio is unchanged; the audio then depends on timing "
+                        "within ~1e-5")
     g.add_argument("--token2wav-bf16", action="store_true",
                    help="speech decoder DiT GEMMs in bfloat16: oneDNN's bf16 GEMMs on CPUs with bf16 "
                         "dot products (1.3x float32 on an AMD Zen 5), autocast elsewhere; mel "
@@ -126,6 +133,7 @@ def omni_options(args: argparse.Namespace, model_dir: str) -> dict:
             "omni_settings": OmniSettings(vocoder=VocoderSettings(steps=args.token2wav_steps,
                                                                   bf16_dit=args.token2wav_bf16,
                                                                   first_chunk=args.token2wav_first_chunk,
+                                                                  first_chunk_busy=args.token2wav_first_chunk_busy,
                                                                   catch_up=args.token2wav_catch_up))}
 
 

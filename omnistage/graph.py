@@ -13,8 +13,9 @@ One step gives each stage one batched pass, so a stage whose passes are long (a 
 ODE interval over several streams: 40-100 ms) would hold the stages feeding it to one pass
 per round: a 50 Hz talker then makes ~10-25 codes a second per stream while its listeners
 need 50, and the vocoder ends up waiting for codes it starved. So while a stage is
-`starving` (waiting for input), the stages with an edge into it step again within the round,
-until each has spent as long as the round's longest pass or has nothing to do.
+`starving` (waiting for input), the stages with an edge into it get extra passes, until each
+has spent as long as the round's longest pass or has nothing to do. They run at the start of
+the next step, so that the round's outputs (a first audio chunk) reach the caller first.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class StageGraph:
             raise ValueError(f"edges name unknown stages: {bad}; stages: {sorted(self.stages)}")
         self._allowed = {(e.src, e.dst) for e in router.edges}
         # stage -> the stages with an edge into it, upstream first (see step)
+        self._last_round: dict[str, float] = {}     # seconds each stage stepped in the last round
         self._producers = {name: [e.src for e in router.edges if e.dst == name and e.src in self.stages]
                            for name in self.stages}
         self.num_aborted_requests = 0
@@ -100,16 +102,18 @@ class StageGraph:
             self._deliver("<entry>", dst, msg, [])
 
     def step(self, wait_s: float = 0.02) -> list[Delta]:
-        """Step every stage with work. When none has any but stages in other processes are
-        busy, wait (up to `wait_s`) until one of them sends something."""
+        """Step every stage with work, after the extra passes the last round earned for the
+        producers of starving stages (module docstring). When no stage has work but stages
+        in other processes are busy, wait (up to `wait_s`) until one of them sends something."""
         deltas: list[Delta] = []
-        spent: dict[str, float] = {}     # seconds each stage stepped in this round
+        if self._last_round:                 # the extra passes the last round earned
+            self._feed_starving(self._last_round, deltas)
+        spent: dict[str, float] = {}         # seconds each stage stepped in this round
         for stage in self.stages.values():
             if stage.has_work():
                 spent[stage.name] = self._step_stage(stage, deltas)
-        if spent:
-            self._feed_starving(spent, deltas)
-        else:
+        self._last_round = spent
+        if not spent and not deltas:
             self._wait_remote(wait_s)
         return deltas
 
@@ -129,7 +133,7 @@ class StageGraph:
 
     def _feed_starving(self, spent: dict[str, float], deltas: list[Delta]) -> None:
         """Extra passes for the producers of starving stages (module docstring), each while
-        its time in this round is below the round's longest pass."""
+        its time in the round `spent` (updated) is below that round's longest pass."""
         budget = max(spent.values())
         for _ in range(MAX_FEED_PASSES):
             feed = [p for name, stage in self.stages.items() if stage.starving()

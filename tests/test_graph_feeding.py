@@ -1,6 +1,7 @@
 """StageGraph feeds a starving stage: while a stage waits for input (`starving`), the stages
-with an edge into it step again within the round, each until it has spent as long as the
-round's longest pass, has nothing to do, or the consumer has what it waits for.
+with an edge into it get extra passes at the start of the next step (after the round's
+outputs went out), each until it has spent as long as that round's longest pass, has nothing
+to do, or the consumer has what it waits for.
 
 Toy stages on a fake clock: a producer makes one item per pass per request (1 ms a pass), a
 consumer takes `need` items per pass and its passes cost 50 ms."""
@@ -143,29 +144,32 @@ def steps(g: StageGraph, n: int) -> None:
         g.step()
 
 
-def test_a_starving_stage_gets_its_input_within_the_round():
+def test_a_starving_stage_is_fed_before_the_next_round():
     g, producer, consumer = graph(need=10)
     g.add_request("a", "a")
     steps(g, 9)          # the consumer has no pass yet: no long pass to match, one item a round
     assert producer.passes == 9
-    g.step()             # item 10: the consumer takes 10 (50 ms), starves, and is fed 10 more
-    assert producer.passes == 20
-    assert len(consumer.held["a"]) == 10
-    g.step()
-    assert producer.passes == 30
+    g.step()             # item 10: the consumer takes all 10 (50 ms) and starves
+    assert producer.passes == 10 and consumer.held["a"] == []
+    g.step()             # fed 10 first, then the round: item 11, the consumer takes 10
+    assert producer.passes == 21
+    assert len(consumer.held["a"]) == 1
+    g.step()             # fed 9, then the round
+    assert producer.passes == 31
 
 
 def test_feeding_stops_at_the_longest_pass():
-    """Producer passes of 20 ms against the consumer's 50: 2 extra passes in a round where
-    the consumer stepped (the producer's time then passes 50 ms), none in a round where it
-    did not (the producer's own pass is the longest)."""
+    """Producer passes of 20 ms against the consumer's 50: 2 extra passes after a round where
+    the consumer stepped (the producer's time then passes 50 ms), none after a round where it
+    did not (the producer's own pass was the longest)."""
     g, producer, consumer = graph(need=10, producer_cost=0.02)
     g.add_request("a", "a")
     steps(g, 10)
-    assert producer.passes == 12
-    assert len(consumer.held["a"]) == 2
+    assert producer.passes == 10
     g.step()
-    assert producer.passes == 13
+    assert producer.passes == 13 and len(consumer.held["a"]) == 3
+    g.step()
+    assert producer.passes == 14
 
 
 def test_no_extra_passes_without_starving():
@@ -179,8 +183,8 @@ def test_feeding_is_bounded_and_the_request_completes():
     need = 10 * MAX_FEED_PASSES
     g, producer, consumer = graph(need=need, total=2 * need, producer_cost=1e-6)
     g.add_request("a", "a")
-    steps(g, need)
-    assert producer.passes == need + MAX_FEED_PASSES
+    steps(g, need + 1)
+    assert producer.passes == need + 1 + MAX_FEED_PASSES
     for _ in range(2 * need):
         if not g.has_unfinished_requests():
             break

@@ -14,7 +14,7 @@ Each step does one of:
   at most `max_hold_s`): each graph step then costs one thinker and one talker step, so the
   newcomer's codes arrive at full speed;
 - later chunks: one batched solve over up to `frame_budget` frames (at least one window,
-  oldest stream first), advanced `intervals_per_step` RK4 intervals per step, so no step is
+  the listener closest to running dry first), advanced `intervals_per_step` RK4 intervals per step, so no step is
   long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
 Tails to flush (vocoder only) ride along with any step. Streams already playing lose a little
 lead; a new request's first audio no longer waits behind seconds of other requests' DiT work.
@@ -50,6 +50,13 @@ class VocoderSettings:
     # on a CPU the first 0.12 s of speech then plays out ~0.3 s before the second chunk comes.
     # A multiple of the DiT block (12 codes) keeps the stream within its documented bounds.
     first_chunk: int | None = None
+    # Opt-in, for live listeners on a CPU: codes in the first chunk of a stream that opens while
+    # other streams are in the stage (None: first_chunk, as alone). Those listeners play it
+    # while the stage also serves the others' chunks: four Realtime sessions at once (small
+    # checkpoint, 2 cores, Zen 5) had 2-5 s of playback gaps in all with 48 codes (0.6 s of
+    # first speech), 0.1-1.3 s with 72 (1.08 s), a lone session's first audio unchanged.
+    # The chunking then depends on timing (the audio within ~1e-5 of the mel).
+    first_chunk_busy: int | None = None
     seed: int = 0                        # unseeded request i draws noise from seed + i
     frame_budget: int = 1536             # mel frames of later-chunk windows per solve (at least one window)
     first_audio_frames: int = 240        # mel frames of first-chunk windows per step (at least one;
@@ -100,6 +107,8 @@ class VocoderStage(Stage):
         if settings.first_chunk is not None:
             stream = replace(stream, first_chunk_size=settings.first_chunk)
         self.stream_config = stream
+        busy = settings.first_chunk_busy
+        self.busy_stream_config = None if busy is None else replace(stream, first_chunk_size=busy)
         self.dead: str | None = None   # local stages fail with the process
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
@@ -120,12 +129,18 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
+        terms = self._terms(speaker)
+        config = self.busy_stream_config if self.busy_stream_config and self._streams else self.stream_config
+        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, config, steps=self.settings.steps,
+                               guidance_scale=self.settings.guidance_scale, speaker=terms)
+
+    def _terms(self, speaker: str) -> SpeakerTerms:
+        """The speaker encoder over the voice's reference mel: once per voice."""
         terms = self._speaker_terms.get(speaker)
-        if terms is None:    # the speaker encoder over the voice's reference mel: once per voice
+        if terms is None:
+            spk = self.speakers[speaker]
             terms = self._speaker_terms[speaker] = self.model.speaker_terms(spk.cond, spk.ref_mel)
-        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, self.stream_config,
-                               steps=self.settings.steps, guidance_scale=self.settings.guidance_scale,
-                               speaker=terms)
+        return terms
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
         """Decode first and second chunks once before serving (a few streams at once), so the
@@ -142,16 +157,23 @@ class VocoderStage(Stage):
         if first_window > self.settings.first_audio_frames:
             return False
         speaker = next(iter(self.speakers))
+        configs = [cfg] + ([self.busy_stream_config] if self.busy_stream_config else [])
         with torch.inference_mode():
-            for batch in batches:
-                streams = [self._open(f"warm-up {i}", speaker, seed=i) for i in range(batch)]
-                for codes in (cfg.chunk(0) + cfg.look_ahead, cfg.chunk(1)):
+            for config, batch in ((c, b) for c in configs for b in batches):
+                streams = [self._warm_stream(config, speaker, i) for i in range(batch)]
+                for codes in (config.chunk(0) + config.look_ahead, config.chunk(1)):
                     for stream in streams:
                         stream.feed([0] * codes)
                     step_streams(streams)
                 for stream in streams:
                     stream.close()
         return True
+
+    def _warm_stream(self, config: StreamConfig, speaker: str, seed: int) -> Token2WavStream:
+        spk = self.speakers[speaker]
+        noise = torch.Generator(device=self.model.device).manual_seed(seed)
+        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, config, steps=self.settings.steps,
+                               guidance_scale=self.settings.guidance_scale, speaker=self._terms(speaker))
 
     def add(self, chunk: CodecChunk) -> None:
         s = self._streams.get(chunk.request_id)
@@ -191,7 +213,12 @@ class VocoderStage(Stage):
             self._hold_since = now                       # chunks, then hold again
         if self._solve is not None:
             return _Pick(flush, resume=True)
+        later.sort(key=lambda rid: self._left_to_play(rid, now))   # closest to running dry first
         return _Pick(flush, later=self._within(later, self.settings.frame_budget))
+
+    def _left_to_play(self, rid: str, now: float) -> float:
+        p = self._playback.get(rid)
+        return float("inf") if p is None else p.left_to_play(now)
 
     def _within(self, rids: list[str], budget: int) -> list[str]:
         """The first of `rids`, then each next one that shares its solve and whose window
@@ -251,7 +278,11 @@ class VocoderStage(Stage):
 
     def starving(self) -> bool:
         """Some stream's next chunk (after the one being solved, for those in the solve)
-        still lacks codes: the talker should run ahead (StageGraph.step)."""
+        still lacks codes: the talker should run ahead (StageGraph.step). Not while first
+        chunks are ready: they go first, and the talker's extra passes would delay them (16
+        requests at once: first audio p50 1.95 -> 2.47 s when fed then too)."""
+        if any(s.num_chunks == 0 and s.ready() for s in self._streams.values()):
+            return False
         ends = dict(zip(self._solving, (p.chunk_end for p in self._solve.plans))) if self._solve else {}
         return any(s.short_of_codes(ends.get(rid)) for rid, s in self._streams.items())
 

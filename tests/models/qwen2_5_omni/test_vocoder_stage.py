@@ -183,3 +183,46 @@ def test_starving_while_a_next_chunk_lacks_codes(model):
     assert not stage.starving()
     send(stage, "b", codes(3, 4), finished=True)         # ended: never starving
     assert not stage.starving()
+
+
+def test_a_stream_opening_beside_others_gets_the_busy_first_chunk(model):
+    """first_chunk_busy: a stream that opens while another is in the stage has a longer first
+    chunk (its listener plays it while the stage serves both); alone, the plain one. The
+    warm-up decodes both shapes."""
+    stage = make_stage(model, first_chunk_busy=32)
+    assert stage.warm_up()
+    send(stage, "a", codes(10, 0))
+    send(stage, "b", codes(10, 1))
+    assert stage._streams["a"].next_chunk() == 16 and stage._streams["b"].next_chunk() == 32
+    send(stage, "a", codes(10, 2))                       # a: 16 + 4 of look-ahead
+    send(stage, "b", codes(10, 3))                       # b: 20 of its 36
+    assert served(stage.step()) == ["a"]
+    send(stage, "b", codes(16, 4))
+    [out] = stage.step()
+    assert out.request_id == "b" and stage._streams["b"].next == 32
+    plain = make_stage(model)
+    send(plain, "a", codes(10, 0))
+    send(plain, "b", codes(10, 1))
+    assert plain._streams["b"].next_chunk() == 16
+
+
+def test_later_chunks_go_to_the_listener_closest_to_running_dry(model):
+    """Two streams with later chunks ready and a frame budget for one window: the one whose
+    listener has less speech left goes first, though it opened second."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], frame_budget=1, stream=StreamConfig(16, 4, 8))
+    send(stage, "a", codes(20, 0))
+    [first_a] = stage.step()                             # a's first chunk at t=0
+    now[0] = 0.05
+    send(stage, "b", codes(20, 1))
+    [first_b] = stage.step()                             # b's at t=0.05: b has more left to play...
+    send(stage, "a", codes(40, 2))
+    send(stage, "b", codes(40, 3))
+    a_left = first_a.payload.samples.numel() / 24000 - now[0]
+    b_left = first_b.payload.samples.numel() / 24000
+    assert b_left > a_left                               # ...so a goes first
+    assert served(stage.step()) == ["a"]
+    now[0] = 0.05 + b_left                               # ...until b has less left than a
+    send(stage, "a", codes(20, 4))
+    assert stage._left_to_play("b", now[0]) < stage._left_to_play("a", now[0])
+    assert served(stage.step()) == ["b"]
