@@ -83,8 +83,8 @@ class StageGraph:
         if bad:
             raise ValueError(f"edges name unknown stages: {bad}; stages: {sorted(self.stages)}")
         self._allowed = {(e.src, e.dst) for e in router.edges}
-        # stage -> the stages with an edge into it, upstream first (see step)
         self._last_round: dict[str, float] = {}     # seconds each stage stepped in the last round
+        # stage -> the stages with an edge into it, upstream first (see step)
         self._producers = {name: [e.src for e in router.edges if e.dst == name and e.src in self.stages]
                            for name in self.stages}
         self.num_aborted_requests = 0

@@ -48,7 +48,7 @@ class Stage(Protocol):
     def starving(self) -> bool:
         """Whether a request here waits for more input from upstream before its next piece of
         work (a vocoder stream short of codes for its next chunk). The graph then gives the
-        stages feeding this one extra steps within a round (StageGraph.step). False: never."""
+        stages feeding this one extra passes (StageGraph.step). False: never."""
         return False
 
     def metrics(self) -> list[tuple[str, str, str, float]]:
