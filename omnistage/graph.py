@@ -136,9 +136,9 @@ class StageGraph:
         its time in the round `spent` (updated) is below that round's longest pass."""
         budget = max(spent.values())
         for _ in range(MAX_FEED_PASSES):
-            feed = [p for name, stage in self.stages.items() if stage.starving()
-                    for p in self._producers[name]]
-            feed = [p for p in self.stages if p in feed and spent.get(p, 0.0) < budget
+            wanted = {p for name, stage in self.stages.items() if stage.starving()
+                      for p in self._producers[name]}
+            feed = [p for p in self.stages if p in wanted and spent.get(p, 0.0) < budget
                     and self.stages[p].has_work()]
             if not feed:
                 return

@@ -14,8 +14,8 @@ Each step does one of:
   at most `max_hold_s`): each graph step then costs one thinker and one talker step, so the
   newcomer's codes arrive at full speed;
 - later chunks: one batched solve over up to `frame_budget` frames (at least one window,
-  the listener closest to running dry first), advanced `intervals_per_step` RK4 intervals per step, so no step is
-  long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
+  the listener closest to running dry first), advanced `intervals_per_step` RK4 intervals
+  per step, so no step is long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
 Tails to flush (vocoder only) ride along with any step. Streams already playing lose a little
 lead; a new request's first audio no longer waits behind seconds of other requests' DiT work.
 """
@@ -53,8 +53,9 @@ class VocoderSettings:
     # Opt-in, for live listeners on a CPU: codes in the first chunk of a stream that opens while
     # other streams are in the stage (None: first_chunk, as alone). Those listeners play it
     # while the stage also serves the others' chunks: four Realtime sessions at once (small
-    # checkpoint, 2 cores, Zen 5) had 2-5 s of playback gaps in all with 48 codes (0.6 s of
-    # first speech), 0.1-1.3 s with 72 (1.08 s), a lone session's first audio unchanged.
+    # checkpoint, 2 cores, Zen 5) had 1.0-6.8 s of playback gaps in all with 48 codes and
+    # catch-up (0.6 s of first speech), 0.9-4.4 s with 72 here (1.08 s); a lone session's
+    # first audio unchanged.
     # The chunking then depends on timing (the audio within ~1e-5 of the mel).
     first_chunk_busy: int | None = None
     seed: int = 0                        # unseeded request i draws noise from seed + i
@@ -113,7 +114,7 @@ class VocoderStage(Stage):
         self.noise_for = noise_for
         self._streams: dict[str, Token2WavStream] = {}
         self._playback: dict[str, PlaybackClock] = {}   # of the streams that sent speech
-        self._speaker_terms: dict[str, SpeakerTerms] = {}      # by voice (see _open)
+        self._speaker_terms: dict[str, SpeakerTerms] = {}      # by voice (see _stream)
         self._count = 0
         self._hold_since: float | None = None   # when later chunks began waiting (see _pick)
         self._solve: StreamSolve | None = None  # later chunks in flight
@@ -121,7 +122,6 @@ class VocoderStage(Stage):
         self.sample_rate = 24000
 
     def _open(self, rid: str, speaker: str, seed: int | None) -> Token2WavStream:
-        spk = self.speakers[speaker]
         if self.noise_for is not None:
             noise = self.noise_for(rid)
         else:   # a request's seed makes its audio the same whatever shares the batch
@@ -129,18 +129,17 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        terms = self._terms(speaker)
-        config = self.busy_stream_config if self.busy_stream_config and self._streams else self.stream_config
+        busy = self.busy_stream_config is not None and bool(self._streams)
+        return self._stream(speaker, noise, self.busy_stream_config if busy else self.stream_config)
+
+    def _stream(self, speaker: str, noise: torch.Tensor | torch.Generator,
+                config: StreamConfig) -> Token2WavStream:
+        spk = self.speakers[speaker]
+        terms = self._speaker_terms.get(speaker)
+        if terms is None:    # the speaker encoder over the voice's reference mel: once per voice
+            terms = self._speaker_terms[speaker] = self.model.speaker_terms(spk.cond, spk.ref_mel)
         return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, config, steps=self.settings.steps,
                                guidance_scale=self.settings.guidance_scale, speaker=terms)
-
-    def _terms(self, speaker: str) -> SpeakerTerms:
-        """The speaker encoder over the voice's reference mel: once per voice."""
-        terms = self._speaker_terms.get(speaker)
-        if terms is None:
-            spk = self.speakers[speaker]
-            terms = self._speaker_terms[speaker] = self.model.speaker_terms(spk.cond, spk.ref_mel)
-        return terms
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
         """Decode first and second chunks once before serving (a few streams at once), so the
@@ -160,7 +159,8 @@ class VocoderStage(Stage):
         configs = [cfg] + ([self.busy_stream_config] if self.busy_stream_config else [])
         with torch.inference_mode():
             for config, batch in ((c, b) for c in configs for b in batches):
-                streams = [self._warm_stream(config, speaker, i) for i in range(batch)]
+                streams = [self._stream(speaker, torch.Generator(device=self.model.device).manual_seed(i),
+                                        config) for i in range(batch)]
                 for codes in (config.chunk(0) + config.look_ahead, config.chunk(1)):
                     for stream in streams:
                         stream.feed([0] * codes)
@@ -168,12 +168,6 @@ class VocoderStage(Stage):
                 for stream in streams:
                     stream.close()
         return True
-
-    def _warm_stream(self, config: StreamConfig, speaker: str, seed: int) -> Token2WavStream:
-        spk = self.speakers[speaker]
-        noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        return Token2WavStream(self.model, spk.cond, spk.ref_mel, noise, config, steps=self.settings.steps,
-                               guidance_scale=self.settings.guidance_scale, speaker=self._terms(speaker))
 
     def add(self, chunk: CodecChunk) -> None:
         s = self._streams.get(chunk.request_id)
