@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token2wav-bf16", action="store_true",
                    help="Qwen2.5-Omni, opt-in: the token2wav DiT's matmuls in bfloat16 (not the "
                         "reference's numerics)")
+    p.add_argument("--token2wav-int8", action="store_true",
+                   help="Qwen2.5-Omni, opt-in: the token2wav DiT's frame products in int8 (W8A8; "
+                        "not the reference's numerics)")
     p.add_argument("--token2wav-catch-up", action="store_true",
                    help="Qwen2.5-Omni, opt-in: while a listener has run dry, later chunks are the "
                         "largest (VocoderSettings.catch_up)")
@@ -161,9 +164,10 @@ def resolve_family(args: argparse.Namespace) -> tuple[Path, str]:
 def finish_args(args: argparse.Namespace) -> None:
     """Family-dependent defaults and checks, once the family is known."""
     args.codec_tokens = args.codec_tokens or DEFAULT_CODEC_TOKENS[args.family]
-    if args.family == QWEN3 and (args.token2wav_bf16 or args.frame_budget or args.token2wav_catch_up):
-        raise SystemExit("--token2wav-bf16, --token2wav-catch-up and --frame-budget are Qwen2.5-Omni's "
-                         "(token2wav); Qwen3-Omni's code2wav has none of them")
+    if args.family == QWEN3 and (args.token2wav_bf16 or args.token2wav_int8 or args.frame_budget
+                                 or args.token2wav_catch_up):
+        raise SystemExit("--token2wav-bf16, --token2wav-int8, --token2wav-catch-up and --frame-budget "
+                         "are Qwen2.5-Omni's (token2wav); Qwen3-Omni's code2wav has none of them")
     args.frame_budget = args.frame_budget or VOCODER_FRAME_BUDGET
 
 
@@ -407,6 +411,7 @@ def omni_settings(args: argparse.Namespace):
 
     return OmniSettings(vocoder=VocoderSettings(frame_budget=args.frame_budget,
                                                 bf16_dit=args.token2wav_bf16,
+                                                int8_dit=args.token2wav_int8,
                                                 catch_up=args.token2wav_catch_up))
 
 

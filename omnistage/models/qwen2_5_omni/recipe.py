@@ -7,6 +7,7 @@ process or a Ray actor), and the router that wires them.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import torch
 from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 
 from omnistage.config import EngineConfig
+from omnistage.errors import InvalidRequestError
+from omnistage.kernels.build import NativeBuildError
+from omnistage.kernels.linear_w8a8 import W8A8Kernel
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
 from omnistage.layers.linear import native_linears_for
@@ -35,6 +39,8 @@ from omnistage.stages.base import Stage
 from omnistage.stages.encoder import EncoderStage
 from omnistage.stages.recipe import Recipe
 from omnistage.runtime.process import apply_process_options
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,24 +118,56 @@ def build_stage(name: str, config: EngineConfig, settings: OmniSettings) -> Stag
         engine = LLMEngine(config, load_lm(model_dir, "talker", dtype, dev, pack_for=config), None, set(stop))
         return ARStage(name, engine)
     if name == "token2wav":
-        t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
-        t2w.load_weights(iter_weights(safetensors_files(model_dir)))
-        packed = 0
-        if config.linear_kernel != "matmul":   # ~1.7x on the DiT's GEMMs on CPU (fp32); bf16 where
-            # the CPU has bf16 dot products: weights and GEMM inputs rounded, ~1.3-1.8x more
-            packed = t2w.dit.pack_for_onednn(torch.bfloat16 if settings.vocoder.bf16_dit else torch.float32)
-        if settings.vocoder.bf16_dit and not packed:
-            t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
-        if config.linear_kernel != "matmul":
-            t2w.dit.use_native_attention()     # each layer's block windows in one native call
-            # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
-            # build, at least their SnakeBeta (the torch path then runs it)
-            if not use_native_activations(t2w.vocoder):
-                use_native_snake(t2w.vocoder)
-        stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
-        stage.warm_up()
-        return stage
+        return token2wav_stage(name, config, settings, model_dir, dev)
     raise ValueError(f"Qwen2.5-Omni has no stage {name!r}")
+
+
+def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, model_dir: Path,
+                    dev: torch.device) -> VocoderStage:
+    """The vocoder stage: the DiT's products in float32, bf16 and / or int8 as settings ask
+    (CPU: oneDNN's packed GEMMs and the native kernels), warmed up."""
+    t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
+    t2w.load_weights(iter_weights(safetensors_files(model_dir)))
+    w8a8 = int8_dit_kernel(config, settings.vocoder, dev)
+    packed = 0
+    if config.linear_kernel != "matmul":   # ~1.7x on the DiT's GEMMs on CPU (fp32); bf16 where
+        # the CPU has bf16 dot products: weights and GEMM inputs rounded, ~1.3-1.8x more
+        dtype = torch.bfloat16 if settings.vocoder.bf16_dit else torch.float32
+        packed = t2w.dit.pack_for_onednn(dtype, w8a8)
+        if w8a8 is not None and not packed:      # bf16 asked where the CPU has no bf16 units
+            packed = t2w.dit.pack_for_onednn(torch.float32, w8a8)
+    if settings.vocoder.bf16_dit and not packed:
+        t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
+    if w8a8 is not None and not packed:
+        raise InvalidRequestError("the int8 token2wav DiT needs oneDNN's packed GEMMs for its "
+                                  "other products, which this torch build lacks", param="int8_dit")
+    if config.linear_kernel != "matmul":
+        t2w.dit.use_native_attention()     # each layer's block windows in one native call
+        # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
+        # build, at least their SnakeBeta (the torch path then runs it)
+        if not use_native_activations(t2w.vocoder):
+            use_native_snake(t2w.vocoder)
+    stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
+    stage.warm_up()
+    return stage
+
+
+def int8_dit_kernel(config: EngineConfig, vocoder: VocoderSettings, dev: torch.device) -> W8A8Kernel | None:
+    """The W8A8 kernel for the DiT when the settings ask for it (None otherwise); a clear
+    error where it cannot serve (another device, the plain matmul kernel, no C compiler)."""
+    if not vocoder.int8_dit:
+        return None
+    if dev.type != "cpu" or config.linear_kernel == "matmul":
+        raise InvalidRequestError(f"the int8 token2wav DiT is a CPU kernel (device {dev.type}, linear "
+                                  f"kernel {config.linear_kernel}): use bf16_dit there", param="int8_dit")
+    try:
+        kernel = W8A8Kernel()
+    except NativeBuildError as e:
+        raise InvalidRequestError(f"the int8 token2wav DiT's kernel did not build: {e}", param="int8_dit") from e
+    if not kernel.vnni:
+        log.warning("int8 token2wav DiT: this CPU has no AVX-512 VNNI; its plain C path is slower "
+                    "than float32 (bf16_dit alone serves this CPU better)")
+    return kernel
 
 
 def build_router(config: EngineConfig, settings: OmniSettings) -> OmniRouter:

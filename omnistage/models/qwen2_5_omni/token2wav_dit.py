@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.linear_w8a8 import W8A8Kernel, W8A8Weight, pack_w8a8
 from omnistage.kernels.window_attention import WindowAttentionKernel, unsupported_reason
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_available, pack_weight,
@@ -30,29 +31,47 @@ from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_availa
 
 class DiTLinear(nn.Linear):
     """nn.Linear that may switch to oneDNN's packed fp32 GEMM on CPU (2.3x the default BLAS
-    path on the AVX-512 Zen CPUs we serve from: 240 vs 104 GFLOP/s at 1200x256x256)."""
+    path on the AVX-512 Zen CPUs we serve from: 240 vs 104 GFLOP/s at 1200x256x256), or to
+    the native int8 product (W8A8, linear_w8a8.c)."""
 
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_dtype: torch.dtype = torch.float32     # of the packed weight; activations go in as it
+    w8a8: W8A8Weight | None = None                # the int8 weight, when packed for W8A8
+    w8a8_kernel: W8A8Kernel | None = None
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> None:
         """dtype bfloat16: weights and inputs rounded to bf16, sums in float32 (the CPU's bf16
-        dot products); outputs rounded to bf16, then back to the input's dtype."""
+        dot products); outputs rounded to bf16, then back to the input's dtype. w8a8: the
+        product in int8 instead (the weight per output column, each input row per call, exact
+        integer sums; float32 in and out), dtype unused."""
         w = self.weight
-        self.packed, self.packed_dtype = pack_weight(w.to(dtype)), dtype
-        self.packed_bias = None if self.bias is None else self.bias.detach().to(dtype)
+        if w8a8 is not None:
+            self.w8a8, self.w8a8_kernel, self.packed_dtype = pack_w8a8(w), w8a8, torch.float32
+            self.packed_bias = None if self.bias is None else self.bias.detach().float()
+        else:
+            self.packed, self.packed_dtype = pack_weight(w.to(dtype)), dtype
+            self.packed_bias = None if self.bias is None else self.bias.detach().to(dtype)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None or self.w8a8 is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
+        if not self.is_packed:
             return F.linear(x, self.weight, self.bias)
         return self.packed_call(x)
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", algorithm: str = "",
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The packed GEMM with oneDNN's `post_op` fused; the result in out_dtype (x's)."""
-        y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm)
+        """The packed GEMM with `post_op` fused ("none", or "gelu" with algorithm "tanh"); the
+        result in out_dtype (x's)."""
+        if self.w8a8 is None:
+            y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm)
+        else:
+            y = self.w8a8_kernel(x, self.w8a8, self.packed_bias, "none" if post_op == "none"
+                                 else f"{post_op}_{algorithm}")
         return y.to(out_dtype or x.dtype)
 
 
@@ -237,20 +256,20 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([DiTLinear(inner, c.hidden_size)])
         self.qkv: DiTLinear | None = None      # q|k|v in one packed GEMM (pack_for_onednn)
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> None:
         """One GEMM for q, k and v (the same numbers as three: each output column is the same
-        dot product), then the projections drop their own weights."""
+        dot product), then the projections drop their own weights. w8a8: see DiTLinear."""
         q, k, v = self.to_q, self.to_k, self.to_v
         merged = DiTLinear(q.in_features, 3 * q.out_features, device=q.weight.device, dtype=q.weight.dtype)
         with torch.no_grad():
             merged.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
             merged.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        merged.pack_for_onednn(dtype)
+        merged.pack_for_onednn(dtype, w8a8)
         self.qkv = merged
         for lin in (q, k, v):
             lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
             lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
-        self.to_out[0].pack_for_onednn(dtype)
+        self.to_out[0].pack_for_onednn(dtype, w8a8)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, bs: int, back: int, ahead: int,
                 window: AttentionWindow) -> torch.Tensor:
@@ -267,7 +286,7 @@ class Attention(nn.Module):
             qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
         if self.kernel is not None and self.kernel.supports(qkv, back, ahead):
             o = self.kernel(qkv, window.lengths, back, ahead, d ** -0.5, rope)
-            return out(o) if out.packed is None else out.packed_call(o, out_dtype=x.dtype)
+            return out.packed_call(o, out_dtype=x.dtype) if out.is_packed else out(o)
         qkv = qkv.to(x.dtype) if self.qkv is not None else qkv
         # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
         # q's and k's head 0 rotated in one go (the kernel rotates them as it reads them).
@@ -336,7 +355,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up, down = self.ff["0"], self.ff["3"]
-        if up.packed is not None and not torch.is_autocast_enabled(x.device.type):
+        if up.is_packed and not torch.is_autocast_enabled(x.device.type):
             # GELU as the GEMM's post-op: one pass over the activations instead of two
             # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's); h stays in the GEMMs' dtype.
             h = up.packed_call(x, "gelu", "tanh", out_dtype=up.packed_dtype)
@@ -481,12 +500,13 @@ class DiTModel(nn.Module):
         return attach_kernel(self, Attention, lambda: WindowAttentionKernel(c.head_dim, c.block_size),
                              "the token2wav DiT's attention")
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32) -> int:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> int:
         """Switch linears to oneDNN's packed GEMM where available, with weights (and GEMM
         inputs) in `dtype` (bfloat16: see DiTLinear.pack_for_onednn; the ODE state, norms,
         attention and residuals stay float32); returns how many. input_embed.proj stays plain
         (its weight is read in column slices); its mel columns, used at every evaluation, get a
-        packed copy."""
+        packed copy. w8a8: the products over every frame row (attention's q|k|v and output,
+        the feed-forwards: ~90% of the solve's multiply-adds) in int8 instead (DiTLinear)."""
         p = next(self.parameters())
         if not onednn_linear_available(p.device, p.dtype) or (dtype == torch.bfloat16
                                                                and not onednn_bf16_available()):
@@ -494,12 +514,13 @@ class DiTModel(nn.Module):
         self._time_cache.clear()      # computed by the other GEMM path
         attns = [m for m in self.modules() if isinstance(m, Attention)]
         for a in attns:
-            a.pack_for_onednn(dtype)
+            a.pack_for_onednn(dtype, w8a8)
+        ffs = {id(lin) for m in self.modules() if isinstance(m, FeedForward) for lin in m.ff.values()}
         done = {id(m) for a in attns for m in (a.to_q, a.to_k, a.to_v, a.to_out[0], a.qkv)}
         lins = [m for m in self.modules() if isinstance(m, DiTLinear) and m is not self.input_embed.proj
                 and id(m) not in done]
         for m in lins:
-            m.pack_for_onednn(dtype)
+            m.pack_for_onednn(dtype, w8a8 if id(m) in ffs else None)
         emb = self.input_embed
         mel = emb.part(0)
         emb.mel_proj = DiTLinear(mel.shape[1], mel.shape[0], bias=False, device=mel.device, dtype=mel.dtype)

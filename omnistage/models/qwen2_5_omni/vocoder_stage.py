@@ -68,6 +68,13 @@ class VocoderSettings:
     # CPU has bf16 dot products: 1.3x float32 on a Zen 5; autocast elsewhere, ~1.4x on an Intel
     # Xeon with AMX); mel within ~0.2% RMS of float32. Off: outputs match the reference (float32).
     bf16_dit: bool = False
+    # Opt-in speed for quality: the DiT's products over frame rows (attention's q|k|v and output,
+    # the feed-forwards; ~90% of its multiply-adds) in int8, weights per output column and
+    # activations per row (native W8A8 kernel, VNNI's int8 dot products: ~1.8x oneDNN's bf16 GEMMs
+    # on a Zen 5); with bf16_dit the DiT's other products in bf16. The mel within ~0.2-0.3% RMS of
+    # float32 on the random-weight checkpoints (real checkpoints' activations may have outlier
+    # channels, which per-row scales serve worse: measure before relying on it).
+    int8_dit: bool = False
     # Opt-in throughput under overload: while any listener has run dry (the stage sent it less
     # speech than the time since its first chunk: the stage is behind), every stream's next
     # later chunk is its largest (it waits for those codes), so an utterance needs fewer

@@ -12,6 +12,7 @@ import torch
 
 from omnistage import AsyncOmni, Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
+from omnistage.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,26 @@ def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir, kernel):
     assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
     rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
     assert 0 < rel < 0.05, rel      # not the same numerics, but the same speech
+
+
+def test_int8_dit_opt_in_stays_close_to_float32(omni_dir):
+    """The DiT's frame-row products in int8 (with bf16 for its other products): the same text,
+    the speech within a few percent RMS; the plain matmul kernel refuses it by name."""
+    from omnistage.models.qwen2_5_omni.recipe import OmniSettings
+    from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
+
+    prompt, params = [{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=6)
+    opts = OutputOptions(talker_params=_talker(3))
+    [ref] = Omni(omni_dir).generate(prompt, params, output=opts)
+    settings = OmniSettings(vocoder=VocoderSettings(int8_dit=True, bf16_dit=True))
+    fast = Omni(omni_dir, omni_settings=settings)
+    assert fast.engine.graph.stages["token2wav"].model.dit.transformer_blocks[0].attn.qkv.w8a8 is not None
+    [out] = fast.generate(prompt, params, output=opts)
+    assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
+    rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
+    assert 0 < rel < 0.05, rel
+    with pytest.raises(InvalidRequestError, match="int8"):
+        Omni(omni_dir, linear_kernel="matmul", omni_settings=settings)
 
 
 def test_prefill_only_warms_the_caches_and_changes_no_bit(omni_dir, local_only):

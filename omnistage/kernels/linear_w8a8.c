@@ -1,0 +1,197 @@
+/* y = x W^T + bias with the product in 8-bit integers (W8A8): the weight quantized once per
+ * output column (symmetric, q in -127..127, scale sw), each row of x when the call comes
+ * (symmetric over the whole row, scale sx = max |x| / 127). Then, per output,
+ *   isum = sum_k qx_k qw_k                      exactly, in int32
+ *   y    = fma((float)isum, sx * sw, bias)      two roundings, the same on every path
+ * so a row's outputs are bit-identical alone or in any batch, on any thread count, and equal
+ * between the VNNI and the plain C path (integer sums are exact).
+ *
+ * Why: compute-bound stages whose GEMMs already run at the CPU's bf16 peak (the Qwen2.5
+ * token2wav DiT on AVX-512-BF16 without AMX: ~1 TFLOP/s on two Zen 5 cores) get twice the
+ * multiply-accumulates per instruction from VNNI's 4-way int8 dot products (vpdpbusd).
+ *
+ * vpdpbusd multiplies unsigned bytes by signed bytes, so the activations go in as
+ * u = qx + 128 (0..255) and the weight as qw; sum_k u_k qw_k = isum + 128 sum_k qw_k, and the
+ * column's 128 sum_k qw_k (comp) is subtracted before the float step. |isum| <= 127*127*K and
+ * the biased sum <= 255*127*K: int32 holds them for K <= 66000.
+ *
+ * Layout: the (N, K) weight in ceil(N/64) panels of 64 columns; K padded to K4 = ceil(K/4)
+ * groups of 4 (zeros). Panel j holds K4 chunks of 256 bytes: chunk g holds, for each of its
+ * 64 columns in order, the 4 bytes qw[64j + c][4g .. 4g+3]. One 64-byte vector is then 16
+ * columns x 4 inputs, what one vpdpbusd takes against 4 broadcast activation bytes.
+ * sw and comp are per panel too (num_panels, 64), zero past N.
+ *
+ * An optional activation follows in the same pass (act 1: GELU's tanh form, see gelu_tanh).
+ *
+ * Threads: OpenMP over (row block, panel) work items (torch's runtime, see paged_attention.c). */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 64
+#define MR 6             /* rows of a register tile: 6 x 4 accumulators + 4 weight vectors */
+#define ROW_BLOCK 48     /* rows of a work item (a multiple of MR) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
+#define W8A8_VNNI 1
+#endif
+
+/* Row r of x (m, k) -> u (m, kp): qx + 128, padded with 128 (qx = 0) to kp; s[r] = sx.
+ * qx = rint(x * (127 / max |x|)) (round half to even: rintf and vcvtps2dq under the default
+ * rounding mode agree), so both paths give the same bytes. */
+static void quantize_row(const float *restrict src, int64_t k, int64_t kp, uint8_t *restrict dst,
+                         float *s) {
+    int64_t i = 0;
+    float amax = 0.0f;
+#ifdef W8A8_VNNI
+    __m512 mx = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
+    amax = _mm512_reduce_max_ps(mx);
+#endif
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(src[i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    i = 0;
+#ifdef W8A8_VNNI
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), bias = _mm512_set1_epi32(128);
+    for (; i + 16 <= k; i += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), vinv));
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), bias);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(q));
+    }
+#endif
+    for (; i < k; i++) {
+        float v = __builtin_rintf(src[i] * inv);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        dst[i] = (uint8_t)((int32_t)v + 128);
+    }
+    for (; i < kp; i++) dst[i] = 128;
+    *s = amax / 127.0f;
+}
+
+/* GELU, tanh form: 0.5 y (1 + tanh(u)) with u = sqrt(2/pi) (y + 0.044715 y^3), computed as
+ * y / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)). exp by range
+ * reduction, z = n ln2 + r with |r| <= ln2/2 (ln2 in two parts), and a degree-6 Taylor
+ * polynomial of e^r (truncation <= 1.3e-7 relative); 2^n built in the exponent bits. z is
+ * clamped to +-87, where 1 + e^z saturates in float anyway. Plain loops over a row of a tile,
+ * vectorized by the compiler on either path (the same operations, so the same bits).
+ * Against torch's F.gelu(approximate="tanh"): within a few float ulps. */
+static void gelu_tanh(float *v, int64_t count) {
+    for (int64_t c = 0; c < count; c++) {
+        const float y = v[c];
+        float z = -1.5957691216057308f * (y + 0.044715f * y * y * y);     /* -2u */
+        z = z < -87.0f ? -87.0f : (z > 87.0f ? 87.0f : z);
+        const float n = __builtin_rintf(z * 1.4426950408889634f);
+        const float r = (z - n * 0.693145751953125f) - n * 1.4286068203094172e-06f;
+        float p = 1.0f / 720.0f;
+        p = p * r + 1.0f / 120.0f;
+        p = p * r + 1.0f / 24.0f;
+        p = p * r + 1.0f / 6.0f;
+        p = p * r + 0.5f;
+        p = p * r + 1.0f;
+        p = p * r + 1.0f;
+        const int32_t bits = ((int32_t)n + 127) << 23;
+        float scale;
+        memcpy(&scale, &bits, sizeof scale);
+        v[c] = y / (1.0f + p * scale);
+    }
+}
+
+/* The integer sums of rows[0 .. MR) (pointers into u; a short tile repeats its last row)
+ * against one panel: isum[i][c] = sum_k u_ik qw_kc (biased by comp, see the top). */
+static void tile_sums(const uint8_t *const rows[MR], const int8_t *restrict p, int64_t k4,
+                      int32_t isum[MR][PANEL]) {
+#ifdef W8A8_VNNI
+    __m512i acc[MR][4];
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < k4; g++) {
+        const int8_t *w = p + g * 256;
+        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64),
+                      w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+        for (int i = 0; i < MR; i++) {
+            int32_t a4;
+            memcpy(&a4, rows[i] + 4 * g, 4);
+            const __m512i a = _mm512_set1_epi32(a4);
+            acc[i][0] = _mm512_dpbusd_epi32(acc[i][0], a, w0);
+            acc[i][1] = _mm512_dpbusd_epi32(acc[i][1], a, w1);
+            acc[i][2] = _mm512_dpbusd_epi32(acc[i][2], a, w2);
+            acc[i][3] = _mm512_dpbusd_epi32(acc[i][3], a, w3);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_si512(isum[i] + 16 * v, acc[i][v]);
+#else
+    for (int i = 0; i < MR; i++)
+        for (int c = 0; c < PANEL; c++) isum[i][c] = 0;
+    for (int64_t g = 0; g < k4; g++) {
+        const int8_t *w = p + g * 256;
+        for (int i = 0; i < MR; i++) {
+            const uint8_t *a = rows[i] + 4 * g;
+            for (int c = 0; c < PANEL; c++)
+                isum[i][c] += a[0] * w[4 * c] + a[1] * w[4 * c + 1] + a[2] * w[4 * c + 2]
+                              + a[3] * w[4 * c + 3];
+        }
+    }
+#endif
+}
+
+/* y (m, n; row stride ldy) = act(x (m, k; row stride ldx) W^T + bias (may be NULL)), W packed
+ * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh. Scratch for the quantized rows is malloc'ed per call; if it
+ * cannot be had, y is filled with NaN. */
+void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
+                 const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
+                 int64_t m, int64_t n, int64_t k) {
+    const int64_t k4 = (k + 3) / 4, kp = 4 * k4, num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+    uint8_t *u = malloc((size_t)(m * kp > 0 ? m * kp : 1));
+    float *sx = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+    if (u == NULL || sx == NULL) {
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < n; c++) y[r * ldy + c] = __builtin_nanf("");
+        free(u);
+        free(sx);
+        return;
+    }
+    #pragma omp parallel for schedule(static) if (m > 16)
+    for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, kp, u + r * kp, sx + r);
+    #pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < blocks * num_panels; item++) {
+        const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
+        const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
+        const int64_t r1 = (b + 1) * ROW_BLOCK < m ? (b + 1) * ROW_BLOCK : m;
+        const float *ws = sw + j * PANEL;
+        const int32_t *wc = comp + j * PANEL;
+        for (int64_t r0 = b * ROW_BLOCK; r0 < r1; r0 += MR) {
+            const uint8_t *rows[MR];
+            for (int i = 0; i < MR; i++) rows[i] = u + (r0 + i < r1 ? r0 + i : r1 - 1) * kp;
+            int32_t isum[MR][PANEL];
+            tile_sums(rows, panels + j * k4 * 256, k4, isum);
+            for (int i = 0; i < MR && r0 + i < r1; i++) {
+                const float s = sx[r0 + i];
+                float *dst = y + (r0 + i) * ldy + n0;
+                for (int64_t c = 0; c < cols; c++)
+                    dst[c] = fmaf((float)(isum[i][c] - wc[c]), s * ws[c], bias != NULL ? bias[n0 + c] : 0.0f);
+                if (act == 1) gelu_tanh(dst, cols);
+            }
+        }
+    }
+    free(u);
+    free(sx);
+}
+
+/* 1 where this build multiplies with VNNI (the fast path), 0 on the plain C path. */
+int linear_w8a8_vnni(void) {
+#ifdef W8A8_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}

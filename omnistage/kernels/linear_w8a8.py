@@ -1,0 +1,90 @@
+"""y = x W^T + bias with the product in int8 (linear_w8a8.c): weights quantized once per
+output column, each row of x per call, exact int32 sums (VNNI where the CPU has it, plain C
+otherwise: the same bits). For compute-bound GEMMs already at the bf16 peak; what it costs
+in accuracy is the caller's to state (the quantization of both sides, ~1/254 of each row's and
+column's largest value)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omnistage.kernels.build import build_library, narrow_vectors
+
+SOURCE = Path(__file__).with_name("linear_w8a8.c")
+PANEL = 64
+ACTIVATIONS = {"none": 0, "gelu_tanh": 1}    # linear_w8a8.c's act
+
+
+@dataclass(frozen=True)
+class W8A8Weight:
+    """A weight in linear_w8a8.c's layout (see there)."""
+    panels: torch.Tensor       # (num_panels, ceil(K / 4) * 256) int8
+    scales: torch.Tensor       # (num_panels * 64,) float32: sw per column, 0 past N
+    comp: torch.Tensor         # (num_panels * 64,) int32: 128 * sum_k qw per column
+    out_features: int
+    in_features: int
+
+
+def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
+    """(out, in) float weight -> its int8 panels: q = round(w / sw), sw = max |w| / 127 per
+    output column (0 for an all-zero column)."""
+    w = weight.detach().float().cpu()
+    n, k = w.shape
+    k4, panels = (k + 3) // 4, (n + PANEL - 1) // PANEL
+    amax = w.abs().amax(dim=1)
+    scale = amax / 127
+    q = torch.where(amax[:, None] > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]),
+                    torch.zeros_like(w)).clamp_(-127, 127).to(torch.int8)
+    full = torch.zeros(panels * PANEL, 4 * k4, dtype=torch.int8)
+    full[:n, :k] = q
+    # (panel, column, group, 4) -> (panel, group, column, 4): a chunk is 64 columns x 4 inputs
+    layout = full.view(panels, PANEL, k4, 4).permute(0, 2, 1, 3).contiguous().view(panels, k4 * 256)
+    scales = torch.zeros(panels * PANEL, dtype=torch.float32)
+    scales[:n] = scale
+    comp = torch.zeros(panels * PANEL, dtype=torch.int32)
+    comp[:n] = 128 * q.to(torch.int32).sum(dim=1)
+    return W8A8Weight(layout, scales, comp, n, k)
+
+
+class W8A8Kernel:
+    """The compiled kernel (raises NativeBuildError where it does not build). narrow: the
+    plain C path even where the CPU has VNNI (tests run both)."""
+
+    def __init__(self, narrow: bool = False):
+        defines, flags = narrow_vectors() if narrow else ({}, ())
+        lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = lib.linear_w8a8
+        self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64]
+        self._fn.restype = None
+        lib.linear_w8a8_vnni.restype = ctypes.c_int
+        self.vnni = bool(lib.linear_w8a8_vnni())
+
+    @staticmethod
+    def supports(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
+                 activation: str = "none") -> torch.Tensor:
+        """x (..., in) float32 on the CPU -> (..., out) float32; bias (out,) float32 or None;
+        activation "none" or "gelu_tanh" (GELU's tanh form, in the same pass)."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"w8a8 linear: activation {activation!r}, not one of {sorted(ACTIVATIONS)}")
+        if x.shape[-1] != w.in_features or (bias is not None and bias.shape != (w.out_features,)):
+            raise ValueError(f"w8a8 linear: x {tuple(x.shape)}, weight ({w.out_features}, "
+                             f"{w.in_features}), bias {None if bias is None else tuple(bias.shape)}")
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1 or flat.dtype != torch.float32:
+            flat = flat.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        m = flat.shape[0]
+        y = torch.empty(m, w.out_features, dtype=torch.float32)
+        if m:
+            self._fn(flat.data_ptr(), flat.stride(0), w.panels.data_ptr(), w.scales.data_ptr(),
+                     w.comp.data_ptr(), None if b is None else b.data_ptr(), ACTIVATIONS[activation], y.data_ptr(),
+                     w.out_features, m, w.out_features, w.in_features)
+        return y.view(*x.shape[:-1], w.out_features)

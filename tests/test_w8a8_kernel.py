@@ -1,0 +1,112 @@
+"""The int8 product (kernels/linear_w8a8.c): exact integer sums against a reference computed
+here, the VNNI path equal to the plain C path, a row's result independent of its batch, the
+fused GELU, and its error against the float32 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.kernels.linear_w8a8 import W8A8Kernel, pack_w8a8
+
+
+@pytest.fixture(scope="module")
+def fast():
+    return W8A8Kernel()
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return W8A8Kernel(narrow=True)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in torch: the same float steps for the scales and codes, the
+    integer sums in int64, fma(isum, sx * sw, bias) in float64 then rounded (exact: isum and
+    the float32 scale product are exact in float64, one rounding left)."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    qx = torch.round(x * inv).clamp(-127, 127).to(torch.int64)
+    sx = amax / 127
+    sw = w.abs().amax(dim=1) / 127
+    qw = torch.where(sw[:, None] > 0, torch.round(w / torch.where(sw > 0, sw, 1.0)[:, None]),
+                     torch.zeros_like(w)).clamp(-127, 127).to(torch.int64)
+    isum = qx @ qw.T
+    scale = (sx * sw[None, :]).double()
+    y = isum.double() * scale + (0 if bias is None else bias.double())
+    return y.float()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 4, 1), (5, 250, 70), (37, 256, 768), (13, 512, 129), (100, 7, 64)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_both_paths_equal_the_integer_reference(fast, plain, m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g) * 3
+    w = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) if with_bias else None
+    packed = pack_w8a8(w)
+    want = reference(x, w, bias)
+    got = fast(x, packed, bias)
+    assert torch.equal(got, want)
+    assert torch.equal(plain(x, packed, bias), want)
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_any_batch(fast):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(61, 256, generator=g)
+    packed = pack_w8a8(torch.randn(200, 256, generator=g))
+    bias = torch.randn(200, generator=g)
+    batch = fast(x, packed, bias)
+    for r in (0, 5, 6, 47, 48, 60):          # tile and row-block edges
+        assert torch.equal(fast(x[r:r + 1], packed, bias), batch[r:r + 1])
+    strided = torch.randn(61, 300, generator=g)
+    strided[:, 20:276] = x                   # the same rows at a row stride of 300
+    assert torch.equal(fast(strided[:, 20:276], packed, bias), batch)
+    assert torch.equal(fast(x.view(61, 1, 256), packed, bias).view(61, 200), batch)
+
+
+def test_gelu_follows_in_the_same_pass(fast, plain):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 256, generator=g) * 4
+    packed = pack_w8a8(torch.randn(512, 256, generator=g) * 0.05)
+    bias = torch.randn(512, generator=g)
+    y = fast(x, packed, bias)
+    got = fast(x, packed, bias, "gelu_tanh")
+    assert torch.equal(got, plain(x, packed, bias, "gelu_tanh"))
+    want = F.gelu(y, approximate="tanh")
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    extremes = torch.tensor([[-1e4, -100.0, -9.0, -1e-3, 0.0, 1e-3, 9.0, 100.0, 1e4]])
+    eye = pack_w8a8(torch.eye(9))
+    lin = fast(extremes, eye, None)
+    torch.testing.assert_close(fast(extremes, eye, None, "gelu_tanh"), F.gelu(lin, approximate="tanh"),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_error_against_the_float_product_is_the_quantization(fast):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(256, 512, generator=g), torch.randn(384, 512, generator=g) * 0.04
+    y, want = fast(x, pack_w8a8(w), None), x @ w.T
+    rel = ((y - want).norm() / want.norm()).item()
+    assert 1e-4 < rel < 0.012, rel          # both sides rounded to 1/254 of their largest value
+
+
+def test_zero_rows_columns_and_empty_batches(fast):
+    w = torch.randn(70, 16)
+    w[3] = 0
+    x = torch.randn(4, 16)
+    x[1] = 0
+    bias = torch.randn(70)
+    y = fast(x, pack_w8a8(w), bias)
+    assert torch.equal(y[1], bias) and torch.equal(y[:, 3], bias[3].expand(4))
+    assert fast(torch.zeros(0, 16), pack_w8a8(w), bias).shape == (0, 70)
+
+
+def test_bad_shapes_and_activations_are_refused(fast):
+    packed = pack_w8a8(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="w8a8"):
+        fast(torch.randn(2, 15), packed, None)
+    with pytest.raises(ValueError, match="bias"):
+        fast(torch.randn(2, 16), packed, torch.randn(7))
+    with pytest.raises(ValueError, match="activation"):
+        fast(torch.randn(2, 16), packed, None, "relu")
