@@ -27,7 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import cpu_description, cpu_line  # noqa: E402
 
 
-def load(model_dir: str, bf16: bool):
+def load(model_dir: str, bf16: bool, int8: bool = False):
+    """The folder's Token2Wav as the recipe packs it (bf16 / int8: --token2wav-bf16 / -int8),
+    and its first speaker."""
+    from omnistage.kernels.linear_w8a8 import W8A8Kernel
     from omnistage.layers.checkpoint import iter_weights, safetensors_files
     from omnistage.models.qwen2_5_omni.loader import load_speakers
     from omnistage.models.qwen2_5_omni.recipe import token2wav_config
@@ -36,7 +39,7 @@ def load(model_dir: str, bf16: bool):
     model_dir = Path(model_dir)
     t2w = Token2Wav(token2wav_config(model_dir), torch.float32, "cpu")
     t2w.load_weights(iter_weights(safetensors_files(model_dir)))
-    if not t2w.dit.pack_for_onednn(torch.bfloat16 if bf16 else torch.float32):
+    if not t2w.dit.pack_for_onednn(torch.bfloat16 if bf16 else torch.float32, W8A8Kernel() if int8 else None):
         raise SystemExit("oneDNN's packed GEMMs are not available here (bf16: no bf16 dot products)")
     if not t2w.dit.use_native_attention():
         raise SystemExit("the window attention kernel does not build or fit here")

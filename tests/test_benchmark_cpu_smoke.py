@@ -37,3 +37,20 @@ def test_dit_attention_benchmark_toy_run(tiny_omni, capsys):
     [[native, sdpa]] = report["runs_s"]
     assert native > 0 and sdpa > 0 and report["median_speedup"] > 0
     assert "speedup" in capsys.readouterr().err
+
+
+def test_dit_gemm_benchmark_toy_run(tiny_omni, capsys):
+    """Needs bf16 dot products for its solve A/B (the recipe's --token2wav-bf16 packing)."""
+    from benchmarks import dit_gemm
+    from omnistage.layers.onednn import onednn_bf16_available
+
+    if not onednn_bf16_available():
+        pytest.skip("no bf16 dot products on this CPU: the solve A/B packs the DiT in bf16")
+    report = dit_gemm.main(["--model", tiny_omni, "--rows", "37", "--streams", "2", "--pairs", "1"])
+    assert [p["product"] for p in report["products"]] == ["qkv", "out", "ff_up", "ff_down"]
+    assert all(p["median_ratio"] > 0 for p in report["products"])
+    [[base, int8]] = report["solve"]["runs_s"]
+    assert base > 0 and int8 > 0
+    rms = report["mel_rel_rms"]
+    assert rms["fp32"] == 0 and 0 < rms["int8"] < 0.01 and 0 < rms["int8+bf16"] < 0.01
+    assert "solve median speedup" in capsys.readouterr().err
