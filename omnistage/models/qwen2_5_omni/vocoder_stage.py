@@ -11,14 +11,12 @@ Each step does one of:
 - first chunks that are ready (up to `first_audio_frames` mel frames, at least one window,
   oldest stream first): solved whole at once;
 - nothing but tail flushes, while some stream is still gathering its first chunk's codes (for
-  at most `max_hold_s`, and only while every listener waiting for a later chunk has at least
+  at most `max_hold_s`, and not while a listener waiting for a later chunk has less than
   `hold_margin_s` of speech left to play): each graph step then costs one thinker and one
   talker step, so the newcomer's codes arrive at full speed;
 - later chunks: one batched solve over up to `frame_budget` frames (at least one window,
   the listener closest to running dry first), advanced `intervals_per_step` RK4 intervals
   per step, so no step is long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
-  Except for a listener about to run dry (`urgent_left_s`): its later chunk goes before first
-  chunks, solved to the end in one step.
 Tails to flush (vocoder only) ride along with any step. Streams already playing lose a little
 lead; a new request's first audio no longer waits behind seconds of other requests' DiT work.
 """
@@ -70,13 +68,10 @@ class VocoderSettings:
     # A hold ends early while a listener waiting for a later chunk has less than this much speech
     # left to play: the hold is for a newcomer's first audio, not at the cost of a listener's
     # silence. Four Realtime sessions on 2 cores: the first session's third chunk was held while
-    # the other three gathered their first codes, and it ran dry 0.2 s (0.0: hold regardless).
+    # the other three gathered their first codes, and it ran dry 0.2 s; with the margin, gaps
+    # summed over the four 0.57-0.70 -> 0.05-0.15 s (6 s turns), first audio ~0.03 s later; at
+    # eight (overload) first audio 0.1-0.35 s later (0.0: hold regardless).
     hold_margin_s: float = 0.6
-    # A listener waiting for a later chunk that will run dry within this many seconds (and has
-    # not yet) goes before first chunks, and its solve runs to the end in one step: otherwise
-    # a lone session's second chunk waited for three newcomers' first chunks and their speech
-    # stopped 0.4 s. Under overload (listeners already dry) first chunks keep their priority.
-    urgent_left_s: float = 0.3
     # Opt-in speed for quality: the DiT's GEMMs in bfloat16 (oneDNN's packed bf16 GEMMs where the
     # CPU has bf16 dot products: 1.3x float32 on a Zen 5; autocast elsewhere, ~1.4x on an Intel
     # Xeon with AMX); mel within ~0.2% RMS of float32. Off: outputs match the reference (float32).
@@ -108,7 +103,6 @@ class _Pick:
     first: list[str] = field(default_factory=list)
     later: list[str] = field(default_factory=list)
     resume: bool = False
-    at_once: bool = False          # the later-chunk solve runs to its end (an urgent listener)
 
     @property
     def idle(self) -> bool:
@@ -215,9 +209,7 @@ class VocoderStage(Stage):
                 flush.append(rid)
             elif s.num_chunks == 0:
                 gathering = True
-        urgent = any(0.0 <= self._left_to_play(rid, now) < self.settings.urgent_left_s
-                     for rid in [*later, *self._solving])
-        if first and not urgent:
+        if first:
             return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
         pending = self._solve is not None or bool(later)
         if not gathering or not pending:
@@ -225,21 +217,22 @@ class VocoderStage(Stage):
         elif self._hold_since is None:
             self._hold_since = now
         if (self._hold_since is not None and now - self._hold_since < self.settings.max_hold_s
-                and self._least_left([*later, *self._solving], now) >= self.settings.hold_margin_s):
+                and not self._about_to_run_dry([*later, *self._solving], now)):
             return _Pick(flush)
         if self._hold_since is not None and stepping:   # held long enough: one step of later
             self._hold_since = now                       # chunks, then hold again
         if self._solve is not None:
-            return _Pick(flush, resume=True, at_once=urgent)
+            return _Pick(flush, resume=True)
         later.sort(key=lambda rid: self._left_to_play(rid, now))   # closest to running dry first
-        return _Pick(flush, later=self._within(later, self.settings.frame_budget), at_once=urgent)
+        return _Pick(flush, later=self._within(later, self.settings.frame_budget))
 
     def _left_to_play(self, rid: str, now: float) -> float:
         p = self._playback.get(rid)
         return float("inf") if p is None else p.left_to_play(now)
 
-    def _least_left(self, rids: list[str], now: float) -> float:
-        return min((self._left_to_play(rid, now) for rid in rids), default=float("inf"))
+    def _about_to_run_dry(self, rids: list[str], now: float) -> bool:
+        """Some listener of `rids` has less than hold_margin_s left to play (or ran dry)."""
+        return any(self._left_to_play(rid, now) < self.settings.hold_margin_s for rid in rids)
 
     def _waiting_later(self) -> list[str]:
         """The streams waiting for a later chunk: in the solve, or ready for one."""
@@ -270,7 +263,7 @@ class VocoderStage(Stage):
             elif pick.later or pick.resume:
                 if pick.later:
                     self._solve, self._solving = StreamSolve([self._streams[r] for r in pick.later]), pick.later
-                if self._solve.advance(None if pick.at_once else self.settings.intervals_per_step or None):
+                if self._solve.advance(self.settings.intervals_per_step or None):
                     pcm.update(zip(self._solving, self._solve.finish()))
                     self._solve, self._solving = None, []
             # Streams that are not ready only flush their vocoder tail here.
@@ -320,8 +313,9 @@ class VocoderStage(Stage):
         if self._hold_since is None:
             return None
         now = self.clock()
-        margin = self._least_left(self._waiting_later(), now) - self.settings.hold_margin_s
-        return max(0.0, min(self._hold_since + self.settings.max_hold_s - now, margin))
+        left = min((self._left_to_play(rid, now) for rid in self._waiting_later()), default=float("inf"))
+        hold_end = self._hold_since + self.settings.max_hold_s - now
+        return max(0.0, min(hold_end, left - self.settings.hold_margin_s))
 
     def num_requests(self) -> int:
         return len(self._streams)
