@@ -19,25 +19,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bandwidth import seconds  # noqa: E402
 from benchmarks.dit_attention import load, solve_seconds  # noqa: E402
 from benchmarks.machine import cpu_description, cpu_line  # noqa: E402
-
-
-def _best(fn, n: int = 5) -> float:
-    fn()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def frame_products(dit_config) -> list[tuple[str, int, int, str]]:
@@ -65,7 +55,7 @@ def gemm_pairs(shapes, rows_list, pairs: int, log) -> list[dict]:
                 p16, b16 = pack_weight(w.bfloat16()), b.bfloat16()
                 runs["bf16"] = lambda: packed_linear(x.bfloat16(), p16, b16, *post).float()
             ops = 2 * rows * n * k
-            per = [{key: ops / _best(fn) / 1e9 for key, fn in runs.items()} for _ in range(pairs)]
+            per = [{key: ops / seconds(fn, 5)[0] / 1e9 for key, fn in runs.items()} for _ in range(pairs)]
             for i, r in enumerate(per):
                 log(f"{name} {rows}x{k}->{n} pair {i}: " + "  ".join(f"{key} {v:.0f}" for key, v in r.items())
                     + " GOP/s")

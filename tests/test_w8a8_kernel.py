@@ -110,3 +110,5 @@ def test_bad_shapes_and_activations_are_refused(fast):
         fast(torch.randn(2, 16), packed, torch.randn(7))
     with pytest.raises(ValueError, match="activation"):
         fast(torch.randn(2, 16), packed, None, "relu")
+    with pytest.raises(ValueError, match="int32"):
+        pack_w8a8(torch.zeros(1, 70000))

@@ -17,6 +17,7 @@ from omnistage.kernels.build import build_library, narrow_vectors
 SOURCE = Path(__file__).with_name("linear_w8a8.c")
 PANEL = 64
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}    # linear_w8a8.c's act
+MAX_IN = 66000            # 255 * 127 * K (the biased sum) stays below 2^31
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
     output column (0 for an all-zero column)."""
     w = weight.detach().float().cpu()
     n, k = w.shape
+    if k > MAX_IN:
+        raise ValueError(f"w8a8 linear: {k} inputs; int32 sums hold at most {MAX_IN}")
     k4, panels = (k + 3) // 4, (n + PANEL - 1) // PANEL
     amax = w.abs().amax(dim=1)
     scale = amax / 127
