@@ -89,8 +89,8 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "frame rows in int8 (weights per output column, activations per row; VNNI's "
                         "int8 dot products where the CPU has them: ~1.8x bf16 on an AMD Zen 5; a "
                         "slow plain path elsewhere); with --token2wav-bf16 its other products in "
-                        "bf16. Mel within ~0.3%% RMS of float32 on random-weight checkpoints "
-                        "(default: float32, as the reference)")
+                        "bf16. Mel within 0.04%% RMS of float32 (0.2%% with --token2wav-bf16) on "
+                        "random-weight checkpoints (default: float32, as the reference)")
     g.add_argument("--token2wav-catch-up", action="store_true",
                    help="Qwen2.5-Omni, opt-in throughput under overload: while a listener has run "
                         "dry, every request's next speech-decoder chunk is the largest, so fewer "

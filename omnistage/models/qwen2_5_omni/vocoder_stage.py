@@ -69,7 +69,7 @@ class VocoderSettings:
     # left to play: the hold is for a newcomer's first audio, not at the cost of a listener's
     # silence. Four Realtime sessions on 2 cores: the first session's third chunk was held while
     # the other three gathered their first codes, and it ran dry 0.2 s; with the margin, gaps
-    # summed over the four 0.57-0.70 -> 0.05-0.15 s (6 s turns), first audio ~0.03 s later; at
+    # summed over the four 0.58-0.63 -> 0.05-0.15 s (6 s turns), first audio ~0.03 s later; at
     # eight (overload) first audio 0.1-0.35 s later (0.0: hold regardless).
     hold_margin_s: float = 0.6
     # Opt-in speed for quality: the DiT's GEMMs in bfloat16 (oneDNN's packed bf16 GEMMs where the
@@ -79,9 +79,9 @@ class VocoderSettings:
     # Opt-in speed for quality: the DiT's products over frame rows (attention's q|k|v and output,
     # the feed-forwards; ~90% of its multiply-adds) in int8, weights per output column and
     # activations per row (native W8A8 kernel, VNNI's int8 dot products: ~1.8x oneDNN's bf16 GEMMs
-    # on a Zen 5); with bf16_dit the DiT's other products in bf16. The mel within ~0.2-0.3% RMS of
-    # float32 on the random-weight checkpoints (real checkpoints' activations may have outlier
-    # channels, which per-row scales serve worse: measure before relying on it).
+    # on a Zen 5); with bf16_dit the DiT's other products in bf16. The mel within 0.04% RMS of
+    # float32 (0.2% with bf16_dit) on the random-weight checkpoints (real checkpoints' activations
+    # may have outlier channels, which per-row scales serve worse: measure before relying on it).
     int8_dit: bool = False
     # Opt-in throughput under overload: while any listener has run dry (the stage sent it less
     # speech than the time since its first chunk: the stage is behind), every stream's next
