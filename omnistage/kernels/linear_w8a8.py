@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library, narrow_vectors
+from omnistage.kernels.weight_pack import PANEL, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear_w8a8.c")
-PANEL = 64
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}    # linear_w8a8.c's act
 MAX_IN = 66000            # 255 * 127 * K (the biased sum) stays below 2^31
 
@@ -31,26 +31,19 @@ class W8A8Weight:
 
 
 def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
-    """(out, in) float weight -> its int8 panels: q = round(w / sw), sw = max |w| / 127 per
-    output column (0 for an all-zero column)."""
-    w = weight.detach().float().cpu()
-    n, k = w.shape
+    """(out, in) float weight -> its int8 panels: the native linear kernel's int8 weight format
+    (q = round(w / sw), sw = max |w| / 127 per output column, 0 for an all-zero column),
+    regrouped in 4-input chunks."""
+    n, k = weight.shape
     if k > MAX_IN:
         raise ValueError(f"w8a8 linear: {k} inputs; int32 sums hold at most {MAX_IN}")
-    k4, panels = (k + 3) // 4, (n + PANEL - 1) // PANEL
-    amax = w.abs().amax(dim=1)
-    scale = amax / 127
-    q = torch.where(amax[:, None] > 0, torch.round(w / torch.where(scale > 0, scale, 1.0)[:, None]),
-                    torch.zeros_like(w)).clamp_(-127, 127).to(torch.int8)
-    full = torch.zeros(panels * PANEL, 4 * k4, dtype=torch.int8)
-    full[:n, :k] = q
-    # (panel, column, group, 4) -> (panel, group, column, 4): a chunk is 64 columns x 4 inputs
-    layout = full.view(panels, PANEL, k4, 4).permute(0, 2, 1, 3).contiguous().view(panels, k4 * 256)
-    scales = torch.zeros(panels * PANEL, dtype=torch.float32)
-    scales[:n] = scale
-    comp = torch.zeros(panels * PANEL, dtype=torch.int32)
-    comp[:n] = 128 * q.to(torch.int32).sum(dim=1)
-    return W8A8Weight(layout, scales, comp, n, k)
+    packed = pack(weight.detach().cpu().t(), WeightFormat("int8"))        # (panels, K, 64) int8
+    panels, k4 = packed.panels.shape[0], (k + 3) // 4
+    q = torch.nn.functional.pad(packed.panels, (0, 0, 0, 4 * k4 - k))       # K padded with zeros
+    # (panel, group, 4, column) -> (panel, group, column, 4): a chunk is 64 columns x 4 inputs
+    layout = q.view(panels, k4, 4, PANEL).transpose(2, 3).contiguous().view(panels, k4 * 256)
+    comp = (128 * packed.panels.to(torch.int32).sum(dim=1)).view(-1).to(torch.int32)   # sum gives int64
+    return W8A8Weight(layout, packed.column_scales, comp, n, k)
 
 
 class W8A8Kernel:
@@ -66,10 +59,6 @@ class W8A8Kernel:
         self._fn.restype = None
         lib.linear_w8a8_vnni.restype = ctypes.c_int
         self.vnni = bool(lib.linear_w8a8_vnni())
-
-    @staticmethod
-    def supports(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype == torch.float32
 
     def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
                  activation: str = "none") -> torch.Tensor:
