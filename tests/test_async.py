@@ -289,6 +289,30 @@ def test_duplicate_request_id_fails_only_the_duplicate(llm, reference):
     check_complete(again, reference[5])
 
 
+# ---- bursts -------------------------------------------------------------------------------
+
+def test_a_burst_of_requests_goes_into_one_first_step(tiny_qwen2):
+    """Requests submitted together reach the engine thread unevenly (here one chat of 151
+    turns takes milliseconds to render and tokenize, the others a fraction of one); an idle
+    engine waits while any is still being prepared, so its first step takes them all:
+    sixteen one-token chats finish in one step."""
+    engine = AsyncOmni(tiny_qwen2, burst_max_s=WAIT_S, max_model_len=2048, max_num_batched_tokens=4096)
+    try:
+        before = engine.engine.llm.num_steps
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        long = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(151)]
+        chats = [[{"role": "user", "content": f"request {i} of a burst"}] for i in range(15)] + [long]
+
+        async def main():
+            return await asyncio.gather(*(collect(engine, chat, params) for chat in chats))
+
+        outs = run(main())
+        assert [len(tokens_of(d)) for d in outs] == [1] * 16 and all(d[-1].finished for d in outs)
+        assert engine.engine.llm.num_steps - before == 1
+    finally:
+        engine.shutdown()
+
+
 # ---- shutdown -----------------------------------------------------------------------------
 
 def test_shutdown_is_prompt_and_fails_streams_in_flight(llm):

@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 # idle engine woken by the first used to start its step at once: the thinker prefilled the
 # first few, and the rest waited for that prefill and the talker's (~50 ms with 8 Qwen3-Omni
 # requests on 2 cores; their first audio 0.20 s instead of 0.16). So a step that starts from
-# idle first takes what arrives until BURST_QUIET_S passes without a new request (at most
-# BURST_MAX_S): a lone request pays BURST_QUIET_S.
+# idle first takes what arrives while requests are still being prepared, and until
+# BURST_QUIET_S passes without a new one (at most BURST_MAX_S in all): a lone request pays
+# BURST_QUIET_S. (The quiet window alone let bursts split: preparations end unevenly, and of
+# 16 Qwen3-Omni requests one went alone in one of three bursts, the other 15 waiting ~20 ms
+# for its prefill.)
 BURST_QUIET_S = 0.0005
 BURST_MAX_S = 0.005
 
@@ -47,13 +50,18 @@ class _Stream:
 
 
 class AsyncOmni:
-    def __init__(self, model: str, omni_settings=None, deploy_config=None, **options):
+    def __init__(self, model: str, omni_settings=None, deploy_config=None,
+                 burst_max_s: float = BURST_MAX_S, **options):
+        """`burst_max_s`: the longest an idle engine waits for the rest of a burst of requests
+        before its first step (see BURST_QUIET_S)."""
         self.config = engine_config(model, options)
         self._omni_settings, self._deploy = omni_settings, deploy_config
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []   # run on the engine thread
         self._streams: dict[str, _Stream] = {}           # touched on the engine thread only
         self._stopping = False
+        self._preparing = 0        # generate() calls between their prepare and their submit
+        self._burst_max_s = burst_max_s
         self._idle = threading.Event()   # set while the engine has nothing to do
         self.dead: BaseException | None = None
         # The engine is built on its own thread, so that all of its torch work (loading,
@@ -99,7 +107,13 @@ class AsyncOmni:
         params = self.engine.default_params() if sampling_params is None else sampling_params
         rid = request_id or new_request_id()
         opts = output or OutputOptions()
-        parsed = await self.prepare(prompt, opts)
+        with self._cv:
+            self._preparing += 1
+        try:
+            parsed = await self.prepare(prompt, opts)
+        except BaseException:
+            self._prepared()
+            raise
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
@@ -108,7 +122,7 @@ class AsyncOmni:
             self.engine.add_request(rid, parsed, params, opts, return_hidden_states)
             self._streams[rid] = stream
 
-        self._submit(add, stream)
+        self._submit(add, stream, prepared=True)
         remaining = self.engine.num_samples(params)   # finished deltas that end the request
         try:
             while remaining:
@@ -178,7 +192,16 @@ class AsyncOmni:
         self.shutdown()
 
     # ---- engine thread --------------------------------------------------------------------
-    def _submit(self, fn: Callable[[], None], stream: _Stream | None = None) -> None:
+    def _prepared(self) -> None:
+        """A preparation ended without a submit (it failed, or its caller left)."""
+        with self._cv:
+            self._preparing -= 1
+            self._cv.notify()
+
+    def _submit(self, fn: Callable[[], None], stream: _Stream | None = None,
+                prepared: bool = False) -> None:
+        """Queue `fn` for the engine thread. `prepared`: a generate() call's request, whose
+        preparation (counted for the burst, see BURST_QUIET_S) ends with this submit."""
         def guarded() -> None:
             try:
                 fn()
@@ -188,6 +211,7 @@ class AsyncOmni:
                 _post(stream.loop, stream.queue.put_nowait, e)
 
         with self._cv:
+            self._preparing -= prepared
             if self._stopping or self.dead is not None:   # no engine thread left to run it
                 if stream is not None:
                     _post(stream.loop, stream.queue.put_nowait, _shut_down())
@@ -226,13 +250,17 @@ class AsyncOmni:
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def _gather_burst(self) -> None:
-        """With the lock held: wait while requests keep arriving (see BURST_QUIET_S)."""
-        deadline = time.monotonic() + BURST_MAX_S
+        """With the lock held: wait while requests are being prepared or keep arriving (see
+        BURST_QUIET_S). Each submit and each failed preparation notifies."""
+        deadline = time.monotonic() + self._burst_max_s
         seen = len(self._commands)
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
-            self._cv.wait(min(BURST_QUIET_S, left))
-            if len(self._commands) == seen:
-                return
+            if self._preparing:
+                self._cv.wait(left)
+            else:
+                self._cv.wait(min(BURST_QUIET_S, left))
+                if len(self._commands) == seen and not self._preparing:
+                    return
             seen = len(self._commands)
 
     def _dispatch(self, deltas: list[Delta]) -> None:

@@ -57,6 +57,7 @@ class LLMEngine:
                  "on" if config.enable_prefix_caching else "off")
         self.requests: dict[str, RequestState] = {}
         self.num_aborted_requests = 0
+        self.num_steps = 0                  # batches run (steps with work)
         self._seq_ids = SeqIdCounter()
 
     # ---- requests -------------------------------------------------------------------------
@@ -123,6 +124,7 @@ class LLMEngine:
         if plan.empty:
             return []
         result = self.runner.run(plan)
+        self.num_steps += 1
         self.scheduler.update(plan)
         return self._outputs(plan, result)
 
@@ -178,6 +180,7 @@ class LLMEngine:
              self.scheduler.num_preemptions),
             (f"omnistage_requests_aborted_total{lb}", "counter",
              "requests aborted (client gone, or abort())", self.num_aborted_requests),
+            (f"omnistage_engine_steps_total{lb}", "counter", "batches the engine ran", self.num_steps),
             (f"omnistage_prefix_cache_hit_tokens_total{lb}", "counter",
              "prompt tokens served by the prefix cache", self.block_manager.num_prefix_hit_tokens),
         ]
