@@ -237,6 +237,27 @@ def test_head_and_full_sort_give_the_same_cut(monkeypatch):
         assert int(kept.sum()) == sum(w > 0 for w in want), r
 
 
+def test_a_nucleus_within_top_k_is_cut_from_the_k_largest():
+    """Every top_p row also has a top_k (a talker's sampling): the sampler looks at the k_max
+    largest logits only, and cuts where the whole sorted row does, ties included."""
+    g = torch.Generator().manual_seed(5)
+    R, V = 64, 1000
+    x = (torch.randn(R, V, generator=g) * 2).round(decimals=1)   # plenty of ties, also at the k-th
+    top_k = torch.randint(1, 40, (R,), generator=g)
+    k_max = int(top_k.max())
+    top_p = torch.rand(R, generator=g) * 0.9 + 0.05
+    top_p[::4] = 1.0
+    args = (x, top_k, top_p, torch.zeros(R))
+    head = filter_threshold(*args, k_max=k_max, use_top_p=True, use_min_p=False, head=k_max)
+    whole = filter_threshold(*args, k_max=k_max, use_top_p=True, use_min_p=False, head=V)
+    assert torch.equal(head, whole)
+    params = [SamplingParams(temperature=1.0, top_k=int(k), top_p=float(p), seed=i)
+              for i, (k, p) in enumerate(zip(top_k, top_p))]
+    gens = [torch.Generator().manual_seed(i) for i in range(R)]
+    ids = Sampler()(x, make_batch(params, gens=gens)).token_ids
+    assert bool((x.gather(1, ids[:, None]) >= whole).all())       # every pick inside the cut
+
+
 # ---------------------------------------------------------------- seeding
 
 
