@@ -57,8 +57,9 @@ class TalkerText(msgspec.Struct):
 
 
 class CodecFrames(msgspec.Struct):
-    """New frames of a request's speech (codebook 0 .. G - 1 each)."""
+    """New frames of a request's speech (codebook 0 .. G - 1 each). The router sends one
+    without frames when the request starts, which opens its stream in code2wav."""
 
     request_id: str
-    codes: torch.Tensor                 # (G, n) int64
+    codes: torch.Tensor                 # (G, n) int64; empty: no frames
     finished: bool = False

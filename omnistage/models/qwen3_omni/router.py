@@ -28,8 +28,8 @@ import torch
 from omnistage.graph import CLIENT, Edge
 from omnistage.models.qwen2_5_omni.messages import EncodeJob
 from omnistage.models.qwen2_5_omni.router import audio_deltas, place_media_rows, reply_done
-from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, EncodedMedia, TalkerStart,
-                                                  TalkerText)
+from omnistage.models.qwen3_omni.messages import (HIDDEN, TEXT, CodecFrames, EncodedMedia,
+                                                  TalkerStart, TalkerText)
 from omnistage.models.qwen3_omni.request import Qwen3OmniRequest
 from omnistage.outputs import Delta
 from omnistage.sampling_params import SamplingParams
@@ -73,7 +73,8 @@ class Qwen3OmniRouter:
         self.edges = [Edge("encoder", "thinker"), Edge("thinker", CLIENT)]
         if audio_output:
             self.edges += [Edge("thinker", "talker"), Edge("talker", "code2wav"), Edge("code2wav", CLIENT),
-                           Edge("talker", CLIENT)]          # the end of a warm prefill (_warm_talker)
+                           Edge("talker", CLIENT),          # the end of a warm prefill (_warm_talker)
+                           Edge("thinker", "code2wav")]     # the end of a reply with no talker rows
 
     def unfinished(self) -> set[str]:
         return set(self.flows)
@@ -85,9 +86,15 @@ class Qwen3OmniRouter:
         want_audio = req.talker_params is not None
         warm = req.warm_talker and not want_audio
         self.flows[req.request_id] = _Flow(req, want_audio, warm, audio_done=not (want_audio or warm))
+        # Frames-less: opens the request's code2wav stream, so that stage knows a first chunk
+        # is on its way (it holds other listeners' later chunks for it).
+        out: list[tuple[str, object]] = [("code2wav", self._no_frames(req.request_id))] if want_audio else []
         if req.media:
-            return [("encoder", EncodeJob(req.request_id, req.media))]
-        return [("thinker", self._thinker_request(req, None, None))]
+            return out + [("encoder", EncodeJob(req.request_id, req.media))]
+        return out + [("thinker", self._thinker_request(req, None, None))]
+
+    def _no_frames(self, request_id: str, finished: bool = False) -> CodecFrames:
+        return CodecFrames(request_id, torch.zeros(0, 0, dtype=torch.long), finished)
 
     def _thinker_request(self, req: Qwen3OmniRequest, embeds, positions, deepstack=None) -> ARRequest:
         ds, ds_at = deepstack if deepstack is not None else (None, None)
@@ -145,8 +152,9 @@ class Qwen3OmniRouter:
                     out.append(("talker", TalkerText(flow.req.request_id, finished=True)))
                 else:
                     # The thinker stopped before its reply's first row existed (it ended at its
-                    # first token): transformers fails here; the answer has no audio.
-                    flow.audio_done = True
+                    # first token): transformers fails here; the answer has no audio (its
+                    # stream's end comes back from code2wav).
+                    out.append(("code2wav", self._no_frames(flow.req.request_id, finished=True)))
             elif flow.warm_talker:
                 out += self._warm_talker(flow)
             out += reply_done(flow, flow.req.request_id)

@@ -167,11 +167,90 @@ def test_deadline_chunks_join_into_the_same_waveform(model):
     torch.testing.assert_close(early, whole, atol=1e-5, rtol=0)
 
 
+def opened(stage: Code2WavStage, rid: str) -> None:
+    """What the router sends when a request starts: its stream opens without frames."""
+    feed(stage, rid, torch.zeros(0, 0, dtype=torch.long))
+
+
+HOLD = dict(first_chunk=2, playback_margin_s=None, hold_margin_s=0.6, max_hold_s=2.0)
+
+
+def test_a_finished_answers_chunks_wait_while_a_newcomer_gathers_its_first(model):
+    clock = Clock()
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(**HOLD), clock=clock)
+    feed(stage, "a", codes(26))
+    assert chunk_sizes(stage, "a") == [2, 6, 18]                # 2.1 s of speech sent
+    feed(stage, "a", codes(24, seed=1), finished=True)          # a's talker is done: its last chunk
+    opened(stage, "b")                                          # b starts: no frames yet
+    assert not stage.has_work()                                 # a's chunk waits for b's first
+    assert stage.wake_after() == pytest.approx(26 * FRAME_S - 0.6, abs=0.05)  # a's margin first
+    feed(stage, "b", codes(2, seed=2))
+    assert [o.request_id for o in stage.step()] == ["b", "a"]   # b's first chunk, first
+    assert stage.wake_after() is None
+
+
+def test_an_answer_still_spoken_is_not_held(model):
+    clock = Clock()
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(**HOLD), clock=clock)
+    feed(stage, "a", codes(26))
+    assert chunk_sizes(stage, "a") == [2, 6, 18]
+    feed(stage, "a", codes(24, seed=1))                         # more frames to come
+    opened(stage, "b")
+    assert [o.request_id for o in stage.step()] == ["a"]
+    assert stage.wake_after() is None
+
+
+def test_a_hold_ends_for_a_listener_about_to_run_dry(model):
+    clock = Clock()
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(**HOLD), clock=clock)
+    feed(stage, "a", codes(8))
+    assert chunk_sizes(stage, "a") == [2, 6]                    # 0.64 s of speech sent
+    feed(stage, "a", codes(18, seed=1), finished=True)
+    opened(stage, "b")
+    assert not stage.has_work()
+    clock.now += stage.wake_after() + 1e-3                      # a crosses the margin
+    assert stage._streams["a"].playback.left_to_play(clock.now) < 0.6
+    assert [o.request_id for o in stage.step()] == ["a"]        # while b still gathers
+
+
+def test_a_hold_lasts_at_most_max_hold_s(model):
+    clock = Clock()
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(**{**HOLD, "hold_margin_s": 0.0, "max_hold_s": 0.5}),
+                          clock=clock)
+    feed(stage, "a", codes(26))
+    assert chunk_sizes(stage, "a") == [2, 6, 18]
+    feed(stage, "a", codes(30, seed=1), finished=True)          # chunks of 24, then the last 6
+    opened(stage, "b")                                          # never gets its frames
+    assert not stage.has_work()
+    assert stage.wake_after() == pytest.approx(0.5)
+    clock.now += 0.5
+    assert [o.request_id for o in stage.step()] == ["a"]        # one step of later chunks
+    assert not stage.has_work()                                 # then the hold starts again
+    assert stage.wake_after() == pytest.approx(0.5)
+
+
+def test_no_hold_without_a_margin_and_a_reply_without_frames_ends(model):
+    clock = Clock()
+    stage = Code2WavStage("code2wav", model, Code2WavSettings(**{**HOLD, "hold_margin_s": None}), clock=clock)
+    feed(stage, "a", codes(26))
+    assert chunk_sizes(stage, "a") == [2, 6, 18]
+    feed(stage, "a", codes(24, seed=1), finished=True)
+    opened(stage, "b")
+    assert [o.request_id for o in stage.step()] == ["a"]
+    assert stage.wake_after() is None
+    feed(stage, "b", torch.zeros(0, 0, dtype=torch.long), finished=True)   # the thinker's reply had no rows
+    [out] = stage.step()
+    assert out.request_id == "b" and out.final and out.payload.samples.numel() == 0
+    assert stage.num_requests() == 0
+
+
 def test_settings_refuse_bad_deadlines():
     with pytest.raises(ValueError, match="playback_margin_s"):
         Code2WavSettings(playback_margin_s=-0.1)
     with pytest.raises(ValueError, match="deadline_chunk"):
         Code2WavSettings(deadline_chunk=0)
+    with pytest.raises(ValueError, match="hold_margin_s"):
+        Code2WavSettings(hold_margin_s=-0.1)
 
 
 def test_warm_up_leaves_no_stream_and_changes_no_output(model):
