@@ -62,8 +62,11 @@ class Code2WavSettings:
                                  # and a listener never waits for a long chunk's decode
     left_context: int = 25       # frames of context before each chunk (transformers' default)
     # Window frames (context included) decoded per step, first chunks first (at least one
-    # chunk): a step stays short, so the thinker and talker keep their pace under load.
-    frame_budget: int = 192
+    # chunk): a step stays short, so the thinker and talker keep their pace under load. 288
+    # (eight answers' last chunks in one step, so the next requests of a closed loop of 8
+    # start together) against 192: 32 requests at concurrency 16 (six A B pairs) 5% more
+    # audio per second, first audio p95 lower, every listener still ahead of real time.
+    frame_budget: int = 288
     # True: the chunks join without gaps into the whole decode's waveform (what transformers'
     # generate returns for answers up to its 300-frame chunk); False: each chunk as
     # transformers' chunked_decode emits it (23 ms of the timeline dropped at every boundary).
