@@ -128,7 +128,7 @@ class Code2WavStage(Stage):
         self.clock = clock
         self.dead: str | None = None
         self._streams: dict[str, _Stream] = {}
-        self._hold_since: float | None = None   # when later chunks began waiting (see _held)
+        self._hold_since: float | None = None   # when held chunks began waiting (see _held)
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         """Decode a full step's worth of windows once before serving, so the first requests
@@ -193,13 +193,13 @@ class Code2WavStage(Stage):
         return sorted(out, key=order)
 
     def _pick(self, stepping: bool = False) -> list[tuple[str, int | None]]:
-        """This step's share of the ready work: within `frame_budget` window frames, later
-        chunks left out while they are held. `stepping`: the step runs it (a hold that ran its
+        """This step's share of the ready work: within `frame_budget` window frames, held
+        chunks left out. `stepping`: the step runs it (a hold that ran its
         course starts again after it)."""
         now = self.clock()
         ready = self._ready(now)
         if self._held(ready, now, stepping):
-            held = set(self._waiting_later(ready))
+            held = set(self._holdable(ready))
             ready = [(rid, end) for rid, end in ready if rid not in held]
         picked, spent = [], 0
         for rid, end in ready:
@@ -213,27 +213,27 @@ class Code2WavStage(Stage):
         return picked
 
     def _held(self, ready: list[tuple[str, int | None]], now: float, stepping: bool) -> bool:
-        """Whether the held chunks of `ready` (_waiting_later) wait for a newcomer's first
+        """Whether the held chunks of `ready` (_holdable) wait for a newcomer's first
         chunk (module docstring); keeps the hold's start."""
-        margin, later, ends = self.settings.hold_margin_s, self._waiting_later(ready), dict(ready)
+        margin, holdable, ends = self.settings.hold_margin_s, self._holdable(ready), dict(ready)
         # A newcomer still short of its first chunk's frames. (Holding until that chunk is
         # decoded as well, so that its step takes no other chunks, did not pay: ~4% less
         # throughput at 16 requests at once.)
         gathering = any(s.chunks == 0 and not s.finished and ends.get(rid) is None
                         for rid, s in self._streams.items())
-        if margin is None or not gathering or not later:
+        if margin is None or not gathering or not holdable:
             self._hold_since = None
             return False
         if self._hold_since is None:
             self._hold_since = now
         if (now - self._hold_since < self.settings.max_hold_s
-                and min(self._streams[rid].playback.left_to_play(now) for rid in later) >= margin):
+                and min(self._streams[rid].playback.left_to_play(now) for rid in holdable) >= margin):
             return True
-        if stepping:                  # held long enough: one step of later chunks, then hold again
+        if stepping:                  # held long enough: one step of held chunks, then hold again
             self._hold_since = now
         return False
 
-    def _waiting_later(self, ready: list[tuple[str, int | None]]) -> list[str]:
+    def _holdable(self, ready: list[tuple[str, int | None]]) -> list[str]:
         """The streams of `ready` that a hold keeps waiting: a later chunk of an answer the
         talker has finished (its listener has the most speech in hand; holding streams still
         being spoken let listeners at 16 requests run dry)."""
@@ -272,7 +272,7 @@ class Code2WavStage(Stage):
             return None
         now = self.clock()
         left = min((self._streams[rid].playback.left_to_play(now)
-                    for rid in self._waiting_later(self._ready(now))), default=float("inf"))
+                    for rid in self._holdable(self._ready(now))), default=float("inf"))
         hold_end = self._hold_since + self.settings.max_hold_s - now
         return max(0.0, min(hold_end, left - self.settings.hold_margin_s))
 

@@ -87,7 +87,7 @@ class Qwen3OmniRouter:
         warm = req.warm_talker and not want_audio
         self.flows[req.request_id] = _Flow(req, want_audio, warm, audio_done=not (want_audio or warm))
         # Frames-less: opens the request's code2wav stream, so that stage knows a first chunk
-        # is on its way (it holds other listeners' later chunks for it).
+        # is on its way (finished answers' last chunks wait for it there).
         out: list[tuple[str, object]] = [("code2wav", self._no_frames(req.request_id))] if want_audio else []
         if req.media:
             return out + [("encoder", EncodeJob(req.request_id, req.media))]
