@@ -37,6 +37,7 @@ from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, Stream
                                                             step_streams)
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.base import Stage
+from omnistage.stages.hold import Hold
 from omnistage.stages.playback import PlaybackClock
 
 
@@ -131,7 +132,7 @@ class VocoderStage(Stage):
         self._playback: dict[str, PlaybackClock] = {}   # of the streams that sent speech
         self._speaker_terms: dict[str, SpeakerTerms] = {}      # by voice (see _stream)
         self._count = 0
-        self._hold_since: float | None = None   # when later chunks began waiting (see _pick)
+        self._hold = Hold(settings.max_hold_s, settings.hold_margin_s)   # later chunks (see _pick)
         self._solve: StreamSolve | None = None  # later chunks in flight
         self._solving: list[str] = []           # their request ids, in the solve's order
         self.sample_rate = 24000
@@ -212,15 +213,8 @@ class VocoderStage(Stage):
         if first:
             return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
         pending = self._solve is not None or bool(later)
-        if not gathering or not pending:
-            self._hold_since = None
-        elif self._hold_since is None:
-            self._hold_since = now
-        if (self._hold_since is not None and now - self._hold_since < self.settings.max_hold_s
-                and not self._about_to_run_dry([*later, *self._solving], now)):
+        if self._hold.holds(gathering and pending, self._least_left([*later, *self._solving], now), now, stepping):
             return _Pick(flush)
-        if self._hold_since is not None and stepping:   # held long enough: one step of later
-            self._hold_since = now                       # chunks, then hold again
         if self._solve is not None:
             return _Pick(flush, resume=True)
         later.sort(key=lambda rid: self._left_to_play(rid, now))   # closest to running dry first
@@ -230,9 +224,9 @@ class VocoderStage(Stage):
         p = self._playback.get(rid)
         return float("inf") if p is None else p.left_to_play(now)
 
-    def _about_to_run_dry(self, rids: list[str], now: float) -> bool:
-        """Some listener of `rids` has less than hold_margin_s left to play (or ran dry)."""
-        return any(self._left_to_play(rid, now) < self.settings.hold_margin_s for rid in rids)
+    def _least_left(self, rids: list[str], now: float) -> float:
+        """The least speech a listener of `rids` has left to play (inf: none)."""
+        return min((self._left_to_play(rid, now) for rid in rids), default=float("inf"))
 
     def _waiting_later(self) -> list[str]:
         """The streams waiting for a later chunk: in the solve, or ready for one."""
@@ -310,12 +304,10 @@ class VocoderStage(Stage):
         """Seconds until held later chunks may run without new input (None: not holding): the
         hold's end, or a waiting listener's crossing of hold_margin_s. A stage process with
         nothing to do waits for its next message at most this long."""
-        if self._hold_since is None:
+        if self._hold.since is None:
             return None
         now = self.clock()
-        left = min((self._left_to_play(rid, now) for rid in self._waiting_later()), default=float("inf"))
-        hold_end = self._hold_since + self.settings.max_hold_s - now
-        return max(0.0, min(hold_end, left - self.settings.hold_margin_s))
+        return self._hold.wake_after(self._least_left(self._waiting_later(), now), now)
 
     def num_requests(self) -> int:
         return len(self._streams)

@@ -50,6 +50,7 @@ from omnistage.models.qwen3_omni.code2wav import Code2Wav, Code2WavWindow
 from omnistage.models.qwen3_omni.messages import CodecFrames
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.base import Stage
+from omnistage.stages.hold import Hold
 from omnistage.stages.playback import PlaybackClock
 
 
@@ -128,7 +129,8 @@ class Code2WavStage(Stage):
         self.clock = clock
         self.dead: str | None = None
         self._streams: dict[str, _Stream] = {}
-        self._hold_since: float | None = None   # when held chunks began waiting (see _held)
+        # finished answers' last chunks (see _held); margin None: never wanted
+        self._hold = Hold(settings.max_hold_s, settings.hold_margin_s or 0.0)
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2, 4, 8)) -> None:
         """Decode a full step's worth of windows once before serving, so the first requests
@@ -213,25 +215,20 @@ class Code2WavStage(Stage):
         return picked
 
     def _held(self, ready: list[tuple[str, int | None]], now: float, stepping: bool) -> bool:
-        """Whether the held chunks of `ready` (_holdable) wait for a newcomer's first
-        chunk (module docstring); keeps the hold's start."""
-        margin, holdable, ends = self.settings.hold_margin_s, self._holdable(ready), dict(ready)
+        """Whether the held chunks of `ready` (_holdable) wait for a newcomer's first chunk
+        (module docstring)."""
+        holdable, ends = self._holdable(ready), dict(ready)
         # A newcomer still short of its first chunk's frames. (Holding until that chunk is
         # decoded as well, so that its step takes no other chunks, did not pay: ~4% less
         # throughput at 16 requests at once.)
         gathering = any(s.chunks == 0 and not s.finished and ends.get(rid) is None
                         for rid, s in self._streams.items())
-        if margin is None or not gathering or not holdable:
-            self._hold_since = None
-            return False
-        if self._hold_since is None:
-            self._hold_since = now
-        if (now - self._hold_since < self.settings.max_hold_s
-                and min(self._streams[rid].playback.left_to_play(now) for rid in holdable) >= margin):
-            return True
-        if stepping:                  # held long enough: one step of held chunks, then hold again
-            self._hold_since = now
-        return False
+        wanted = self.settings.hold_margin_s is not None and gathering and bool(holdable)
+        return self._hold.holds(wanted, self._least_left(holdable, now), now, stepping)
+
+    def _least_left(self, rids: list[str], now: float) -> float:
+        """The least speech a listener of `rids` has left to play (inf: none)."""
+        return min((self._streams[rid].playback.left_to_play(now) for rid in rids), default=float("inf"))
 
     def _holdable(self, ready: list[tuple[str, int | None]]) -> list[str]:
         """The streams of `ready` that a hold keeps waiting: a later chunk of an answer the
@@ -268,13 +265,10 @@ class Code2WavStage(Stage):
     def wake_after(self) -> float | None:
         """Seconds until held chunks may go without new input (None: not holding): the hold's
         end, or a held listener's crossing of hold_margin_s."""
-        if self._hold_since is None or self.settings.hold_margin_s is None:
+        if self._hold.since is None:
             return None
         now = self.clock()
-        left = min((self._streams[rid].playback.left_to_play(now)
-                    for rid in self._holdable(self._ready(now))), default=float("inf"))
-        hold_end = self._hold_since + self.settings.max_hold_s - now
-        return max(0.0, min(hold_end, left - self.settings.hold_margin_s))
+        return self._hold.wake_after(self._least_left(self._holdable(self._ready(now)), now), now)
 
     def num_requests(self) -> int:
         return len(self._streams)
