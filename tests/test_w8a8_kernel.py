@@ -1,5 +1,5 @@
 """The int8 product (kernels/linear_w8a8.c): exact integer sums against a reference computed
-here, the VNNI path equal to the plain C path, a row's result independent of its batch, the
+here, the AMX, VNNI and plain C paths equal, a row's result independent of its batch, the
 fused GELU, and its error against the float32 product."""
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ def fast():
 @pytest.fixture(scope="module")
 def plain():
     return W8A8Kernel(narrow=True)
+
+
+@pytest.fixture(scope="module")
+def vnni():
+    return W8A8Kernel(amx=False)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -50,6 +55,24 @@ def test_both_paths_equal_the_integer_reference(fast, plain, m, k, n, with_bias)
     got = fast(x, packed, bias)
     assert torch.equal(got, want)
     assert torch.equal(plain(x, packed, bias), want)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 64), (31, 256, 70), (32, 250, 129), (70, 1000, 200),
+                                   (129, 512, 64), (3, 7, 5)])
+def test_the_amx_tiles_give_the_vnni_bits(fast, vnni, m, k, n):
+    """AMX (where the CPU and OS have it): 32-row tiles over whole 64-input steps, the inputs
+    past them and short last tiles included, equal to VNNI's sums bit for bit."""
+    if not fast.amx:
+        pytest.skip("no AMX on this CPU (or the OS refused the tiles)")
+    assert not vnni.amx
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g) * 2
+    w = torch.randn(n, k, generator=g) * 0.05
+    packed, bias = pack_w8a8(w), torch.randn(n, generator=g)
+    assert torch.equal(fast(x, packed, bias), reference(x, w, bias))
+    assert torch.equal(fast(x, packed, bias, "gelu_tanh"), vnni(x, packed, bias, "gelu_tanh"))
+    r = min(5, m - 1)                        # one row alone: a tile of padding rows around it
+    assert torch.equal(fast(x[r:r + 1], packed, bias), fast(x, packed, bias)[r:r + 1])
 
 
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(fast):

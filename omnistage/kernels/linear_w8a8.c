@@ -23,6 +23,13 @@
  *
  * An optional activation follows in the same pass (act 1: GELU's tanh form, see gelu_tanh).
  *
+ * AMX (Intel Xeon since Sapphire Rapids; the build has it where -march=native does, the caller
+ * asks for it per call once linear_w8a8_amx() got the OS's permission): the same integer sums
+ * from tile products, 32 rows x 32 columns x 64 inputs per four TDPBUSD, the panel layout read
+ * as it is (a tile row of B is one 4-input group's 16 columns: 64 bytes at a stride of 256).
+ * Inputs past the last whole 64 go through VNNI, added to the same int32 sums: integer sums
+ * in any order are the same sums, so the AMX, VNNI and plain C paths give the same bits.
+ *
  * Threads: OpenMP over (row block, panel) work items (torch's runtime, see paged_attention.c). */
 
 #include <math.h>
@@ -38,9 +45,17 @@
 #define PANEL 64
 #define MR 6             /* rows of a register tile: 6 x 4 accumulators + 4 weight vectors */
 #define ROW_BLOCK 48     /* rows of a work item (a multiple of MR) */
+#define AMX_ROWS 32      /* rows of an AMX pass: two 16-row A tiles */
+#define AMX_BLOCK 64     /* rows of an AMX work item (a multiple of AMX_ROWS) */
+#define AMX_GROUPS 16    /* 4-input groups per tile product: 64 bytes, one tile row */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
 #define W8A8_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define W8A8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 /* Row r of x (m, k) -> u (m, kp): qx + 128, padded with 128 (qx = 0) to kp; s[r] = sx.
@@ -143,15 +158,117 @@ static void tile_sums(const uint8_t *const rows[MR], const int8_t *restrict p, i
 #endif
 }
 
+#ifdef W8A8_AMX
+/* The tile shapes: every tile 16 rows of 64 bytes (C: 16 x 16 int32; A: 16 rows x 64 inputs;
+ * B: 16 groups x 16 columns x 4 inputs). Tiles 0-3 C, 4-5 A, 6-7 B. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void amx_configure(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* isum (AMX_ROWS x PANEL) = the integer sums of the AMX_ROWS rows of u from `u` (row stride
+ * kp) against one panel over its first `groups` 4-input groups (a multiple of AMX_GROUPS). */
+static void amx_sums(const uint8_t *u, int64_t kp, const int8_t *p, int64_t groups,
+                     int32_t isum[][PANEL]) {
+    for (int half = 0; half < 2; half++) {                  /* columns 32 half .. + 31 */
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t g = 0; g < groups; g += AMX_GROUPS) {
+            const int8_t *w = p + g * 256 + half * 128;
+            _tile_loadd(4, u + 4 * g, kp);                  /* rows 0-15 */
+            _tile_loadd(5, u + 16 * kp + 4 * g, kp);        /* rows 16-31 */
+            _tile_loadd(6, w, 256);                         /* columns +0 .. +15 */
+            _tile_loadd(7, w + 64, 256);                    /* columns +16 .. +31 */
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        }
+        int32_t *c = isum[0] + 32 * half;
+        _tile_stored(0, c, PANEL * 4);
+        _tile_stored(1, c + 16, PANEL * 4);
+        _tile_stored(2, c + 16 * PANEL, PANEL * 4);
+        _tile_stored(3, c + 16 * PANEL + 16, PANEL * 4);
+    }
+}
+
+/* isum[i] += the sums of row i of u over groups [g0, k4) (the inputs past the tiles' 64s). */
+static void vnni_add(const uint8_t *u, int64_t kp, const int8_t *p, int64_t g0, int64_t k4,
+                     int rows, int32_t isum[][PANEL]) {
+    for (int i = 0; i < rows && g0 < k4; i++) {
+        __m512i acc[4];
+        for (int v = 0; v < 4; v++) acc[v] = _mm512_loadu_si512(isum[i] + 16 * v);
+        for (int64_t g = g0; g < k4; g++) {
+            int32_t a4;
+            memcpy(&a4, u + i * kp + 4 * g, 4);
+            const __m512i a = _mm512_set1_epi32(a4);
+            for (int v = 0; v < 4; v++)
+                acc[v] = _mm512_dpbusd_epi32(acc[v], a, _mm512_loadu_si512(p + g * 256 + 64 * v));
+        }
+        for (int v = 0; v < 4; v++) _mm512_storeu_si512(isum[i] + 16 * v, acc[v]);
+    }
+}
+#endif
+
+/* y = act(isum - comp) * (sx * sw) + bias for `rows` rows of one panel's `cols` columns. */
+static void finish_rows(int32_t isum[][PANEL], int rows, const float *sx, const float *ws,
+                        const int32_t *wc, const float *bias, int32_t act, float *y, int64_t ldy,
+                        int64_t cols) {
+    for (int i = 0; i < rows; i++) {
+        float *dst = y + i * ldy;
+        for (int64_t c = 0; c < cols; c++)
+            dst[c] = fmaf((float)(isum[i][c] - wc[c]), sx[i] * ws[c], bias != NULL ? bias[c] : 0.0f);
+        if (act == 1) gelu_tanh(dst, cols);
+    }
+}
+
+/* Rows [r0, r1) of y for panel j: tiles of MR rows (VNNI or plain C) or AMX_ROWS (AMX). */
+static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const int8_t *p,
+                          int64_t k4, const float *ws, const int32_t *wc, const float *bias,
+                          int32_t act, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                          int64_t cols, int amx) {
+    int32_t isum[AMX_ROWS][PANEL];
+    const int step = amx ? AMX_ROWS : MR;
+    for (int64_t r = r0; r < r1; r += step) {
+        const int rows = r1 - r < step ? (int)(r1 - r) : step;
+#ifdef W8A8_AMX
+        if (amx) {                            /* u holds whole 32-row tiles (padding rows) */
+            const int64_t tiled = k4 - k4 % AMX_GROUPS;
+            amx_sums(u + r * kp, kp, p, tiled, isum);
+            vnni_add(u + r * kp, kp, p, tiled, k4, rows, isum);
+        } else
+#endif
+        {
+            const uint8_t *tile_rows[MR];
+            for (int i = 0; i < MR; i++) tile_rows[i] = u + (r + i < r1 ? r + i : r1 - 1) * kp;
+            tile_sums(tile_rows, p, k4, isum);
+        }
+        finish_rows(isum, rows, sx + r, ws, wc, bias, act, y + r * ldy, ldy, cols);
+    }
+}
+
 /* y (m, n; row stride ldy) = act(x (m, k; row stride ldx) W^T + bias (may be NULL)), W packed
- * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh. Scratch for the quantized rows is malloc'ed per call; if it
+ * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh; amx: the AMX path (only once
+ * linear_w8a8_amx() returned 1). Scratch for the quantized rows is malloc'ed per call; if it
  * cannot be had, y is filled with NaN. */
 void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
                  const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
-                 int64_t m, int64_t n, int64_t k) {
+                 int64_t m, int64_t n, int64_t k, int32_t amx) {
+#ifndef W8A8_AMX
+    amx = 0;
+#endif
     const int64_t k4 = (k + 3) / 4, kp = 4 * k4, num_panels = (n + PANEL - 1) / PANEL;
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
-    uint8_t *u = malloc((size_t)(m * kp > 0 ? m * kp : 1));
+    const int64_t row_block = amx ? AMX_BLOCK : ROW_BLOCK, blocks = (m + row_block - 1) / row_block;
+    const int64_t rows_held = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
+    uint8_t *u = malloc((size_t)(rows_held * kp > 0 ? rows_held * kp : 1));
     float *sx = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
     if (u == NULL || sx == NULL) {
         for (int64_t r = 0; r < m; r++)
@@ -160,28 +277,25 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
         free(sx);
         return;
     }
+    memset(u + m * kp, 128, (size_t)((rows_held - m) * kp));     /* padding rows: qx = 0 */
     #pragma omp parallel for schedule(static) if (m > 16)
     for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, kp, u + r * kp, sx + r);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel
+    {
+#ifdef W8A8_AMX
+    if (amx) amx_configure();
+#endif
+    #pragma omp for schedule(static)
     for (int64_t item = 0; item < blocks * num_panels; item++) {
         const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
-        const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
-        const int64_t r1 = (b + 1) * ROW_BLOCK < m ? (b + 1) * ROW_BLOCK : m;
-        const float *ws = sw + j * PANEL;
-        const int32_t *wc = comp + j * PANEL;
-        for (int64_t r0 = b * ROW_BLOCK; r0 < r1; r0 += MR) {
-            const uint8_t *rows[MR];
-            for (int i = 0; i < MR; i++) rows[i] = u + (r0 + i < r1 ? r0 + i : r1 - 1) * kp;
-            int32_t isum[MR][PANEL];
-            tile_sums(rows, panels + j * k4 * 256, k4, isum);
-            for (int i = 0; i < MR && r0 + i < r1; i++) {
-                const float s = sx[r0 + i];
-                float *dst = y + (r0 + i) * ldy + n0;
-                for (int64_t c = 0; c < cols; c++)
-                    dst[c] = fmaf((float)(isum[i][c] - wc[c]), s * ws[c], bias != NULL ? bias[n0 + c] : 0.0f);
-                if (act == 1) gelu_tanh(dst, cols);
-            }
-        }
+        const int64_t r1 = (b + 1) * row_block < m ? (b + 1) * row_block : m;
+        rows_of_panel(u, kp, sx, panels + j * k4 * 256, k4, sw + j * PANEL, comp + j * PANEL,
+                      bias != NULL ? bias + n0 : NULL, act, y + n0, ldy, b * row_block, r1,
+                      n - n0 < PANEL ? n - n0 : PANEL, amx);
+    }
+#ifdef W8A8_AMX
+    if (amx) _tile_release();
+#endif
     }
     free(u);
     free(sx);
@@ -191,6 +305,16 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
 int linear_w8a8_vnni(void) {
 #ifdef W8A8_VNNI
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build has the AMX path and the OS lets this process use the tiles (Linux asks
+ * each process to request them: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), else 0. */
+int linear_w8a8_amx(void) {
+#ifdef W8A8_AMX
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 #else
     return 0;
 #endif

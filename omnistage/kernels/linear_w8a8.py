@@ -1,6 +1,6 @@
 """y = x W^T + bias with the product in int8 (linear_w8a8.c): weights quantized once per
 output column, each row of x per call, exact int32 sums (VNNI where the CPU has it, plain C
-otherwise: the same bits). For compute-bound GEMMs already at the bf16 peak; what it costs
+otherwise, AMX tiles where the CPU and the OS allow them: the same bits). For compute-bound GEMMs already at the bf16 peak; what it costs
 in accuracy is the caller's to state (the quantization of both sides, ~1/254 of each row's and
 column's largest value)."""
 
@@ -48,17 +48,19 @@ def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
 
 class W8A8Kernel:
     """The compiled kernel (raises NativeBuildError where it does not build). narrow: the
-    plain C path even where the CPU has VNNI (tests run both)."""
+    plain C path even where the CPU has VNNI; amx=False: VNNI even where the CPU has AMX
+    (tests run every path)."""
 
-    def __init__(self, narrow: bool = False):
+    def __init__(self, narrow: bool = False, amx: bool = True):
         defines, flags = narrow_vectors() if narrow else ({}, ())
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.linear_w8a8
-        self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64]
+        self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64, ctypes.c_int32]
         self._fn.restype = None
-        lib.linear_w8a8_vnni.restype = ctypes.c_int
+        lib.linear_w8a8_vnni.restype = lib.linear_w8a8_amx.restype = ctypes.c_int
         self.vnni = bool(lib.linear_w8a8_vnni())
+        self.amx = amx and bool(lib.linear_w8a8_amx())    # asks the OS for the tiles once
 
     def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
                  activation: str = "none") -> torch.Tensor:
@@ -78,5 +80,5 @@ class W8A8Kernel:
         if m:
             self._fn(flat.data_ptr(), flat.stride(0), w.panels.data_ptr(), w.scales.data_ptr(),
                      w.comp.data_ptr(), None if b is None else b.data_ptr(), ACTIVATIONS[activation], y.data_ptr(),
-                     w.out_features, m, w.out_features, w.in_features)
+                     w.out_features, m, w.out_features, w.in_features, int(self.amx))
         return y.view(*x.shape[:-1], w.out_features)
