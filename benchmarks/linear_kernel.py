@@ -56,7 +56,7 @@ def bench_shapes(shapes, rows_list, repeats: int, kernels) -> list[dict]:
         packed = {name: [pack(w) for w in ws] for name, (pack, _) in kernels.items()}
         for m in rows_list:
             x = torch.randn(m, k, generator=g)
-            row = {"out": n, "in": k, "rows": m}
+            row, seconds = {"out": n, "in": k, "rows": m}, {}
             for name, (_, run) in kernels.items():
                 ps = packed[name] if m == 1 else packed[name][:1]
                 state = [0]
@@ -64,12 +64,14 @@ def bench_shapes(shapes, rows_list, repeats: int, kernels) -> list[dict]:
                 def call(ps=ps, run=run, state=state):
                     state[0] = (state[0] + 1) % len(ps)
                     run(x, ps[state[0]], n)
-                t = _best(call, repeats)
+                t = seconds[name] = _best(call, repeats)
                 row[name] = {"us": round(t * 1e6, 1), "gflops": round(2 * m * n * k / t / 1e9, 1),
                              "weight_GBps": round(n * k * 4 / t / 1e9, 1)}
+            # From the unrounded times, to 3 significant digits: on a busy machine a stalled
+            # OpenMP team can make a tiny product 1000x slower, a ratio that 3 decimals show as 0.
             if "onednn" in row:
-                row["native_vs_onednn"] = round(row["onednn"]["us"] / row["native"]["us"], 3)
-            row["native_vs_matmul"] = round(row["matmul"]["us"] / row["native"]["us"], 3)
+                row["native_vs_onednn"] = float(f"{seconds['onednn'] / seconds['native']:.3g}")
+            row["native_vs_matmul"] = float(f"{seconds['matmul'] / seconds['native']:.3g}")
             results.append(row)
             print(f"{n:6d}x{k:<5d} rows {m:5d}  " + "  ".join(
                 f"{name} {row[name]['us']:9.1f} us {row[name]['gflops']:6.1f} GF/s"
