@@ -1,8 +1,8 @@
 """y = x W^T + bias with the product in int8 (linear_w8a8.c): weights quantized once per
-output column, each row of x per call, exact int32 sums (VNNI where the CPU has it, plain C
-otherwise, AMX tiles where the CPU and the OS allow them: the same bits). For compute-bound GEMMs already at the bf16 peak; what it costs
-in accuracy is the caller's to state (the quantization of both sides, ~1/254 of each row's and
-column's largest value)."""
+output column, each row of x per call, exact int32 sums (AMX tiles where the CPU and the OS
+allow them, else VNNI where the CPU has it, else plain C: the same bits). For compute-bound
+GEMMs already at the bf16 peak; what it costs in accuracy is the caller's to state (the
+quantization of both sides, ~1/254 of each row's and column's largest value)."""
 
 from __future__ import annotations
 
