@@ -200,9 +200,8 @@ class Code2WavStage(Stage):
         course starts again after it)."""
         now = self.clock()
         ready = self._ready(now)
-        if self._held(ready, now, stepping):
-            held = set(self._holdable(ready))
-            ready = [(rid, end) for rid, end in ready if rid not in held]
+        held = set(self._held(ready, now, stepping))
+        ready = [(rid, end) for rid, end in ready if rid not in held]
         picked, spent = [], 0
         for rid, end in ready:
             if end is not None:
@@ -214,9 +213,9 @@ class Code2WavStage(Stage):
             picked.append((rid, end))
         return picked
 
-    def _held(self, ready: list[tuple[str, int | None]], now: float, stepping: bool) -> bool:
-        """Whether the held chunks of `ready` (_holdable) wait for a newcomer's first chunk
-        (module docstring)."""
+    def _held(self, ready: list[tuple[str, int | None]], now: float, stepping: bool) -> list[str]:
+        """The streams of `ready` whose chunks wait now for a newcomer's first chunk (module
+        docstring): its _holdable ones while the hold holds, else none."""
         holdable, ends = self._holdable(ready), dict(ready)
         # A newcomer still short of its first chunk's frames. (Holding until that chunk is
         # decoded as well, so that its step takes no other chunks, did not pay: ~4% less
@@ -224,7 +223,7 @@ class Code2WavStage(Stage):
         gathering = any(s.chunks == 0 and not s.finished and ends.get(rid) is None
                         for rid, s in self._streams.items())
         wanted = self.settings.hold_margin_s is not None and gathering and bool(holdable)
-        return self._hold.holds(wanted, self._least_left(holdable, now), now, stepping)
+        return holdable if self._hold.holds(wanted, self._least_left(holdable, now), now, stepping) else []
 
     def _least_left(self, rids: list[str], now: float) -> float:
         """The least speech a listener of `rids` has left to play (inf: none)."""
