@@ -29,8 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omnistage import Omni, SamplingParams  # noqa: E402
 
 # name -> engine options (the group size is added to each)
+# (int8 and int4 multiply int8-rounded activations by default; "-exact": float32 activations)
 FORMATS = {"bf16": {"quantization": "bf16"}, "int8": {"quantization": "int8"},
-           "int4": {"quantization": "int4"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"}}
+           "int4": {"quantization": "int4"}, "kv-bf16": {"kv_cache_dtype": "bfloat16"},
+           "int8-exact": {"quantization": "int8", "int8_activations": "float32"},
+           "int4-exact": {"quantization": "int4", "int4_activations": "float32"}}
 NEW_TOKENS = 64
 
 

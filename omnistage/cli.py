@@ -230,8 +230,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "machine's C compiler) or plain PyTorch (default: auto: native where "
                         "they build)")
     g.add_argument("--quantization", default="none", choices=["none", "bf16", "int8", "int4"],
-                   help="how linear layers store their weights on CPU (native kernel; activations "
-                        "stay float32): bf16 (half the bytes, rounding error ~0.4%% per weight), "
+                   help="how linear layers store their weights on CPU (native kernel; for the "
+                        "activations int8 and int4 multiply see --int8/--int4-activations): bf16 (half the bytes, rounding error ~0.4%% per weight), "
                         "int8 (a quarter; one scale per output channel), int4 (an eighth; one "
                         "scale per --quantization-group-size inputs). Quantized once at load from "
                         "the checkpoint. Default: none (nothing rounded: float32, or bfloat16 for "
@@ -244,6 +244,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "int8 rounds each block of 32 activations to int8 steps and uses integer "
                         "dot products (llama.cpp's q4_0 x q8_0 numerics, ~2x faster); float32 "
                         "multiplies the dequantized weights exactly (default: int8)")
+    g.add_argument("--int8-activations", default="int8", choices=["int8", "float32"],
+                   help="what int8 weights (and GGUF q8_0 weights) multiply (their inputs "
+                        "multiples of 32): int8 rounds each block of 32 activations to int8 "
+                        "steps and uses integer dot products (llama.cpp's q8_0 x q8_0 numerics, "
+                        "~1.1x faster single rows); float32 multiplies the dequantized weights "
+                        "exactly (default: int8)")
     g.add_argument("--engine-seed", dest="seed", type=int, default=0,
                    help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 

@@ -36,6 +36,7 @@ class EngineConfig:
     quantization: str = "none"            # none | bf16 | int8 | int4: linear weights, native kernel (CPU)
     quantization_group_size: int = 64     # inputs per int4 scale
     int4_activations: str = "int8"        # int8 (integer dot products, llama.cpp's numerics) | float32 (exact)
+    int8_activations: str = "int8"        # the same for int8 weights (and GGUF q8_0): int8 | float32 (exact)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidRequestError:
@@ -61,8 +62,9 @@ class EngineConfig:
         if not isinstance(self.quantization_group_size, int) or self.quantization_group_size < 1:
             raise bad("quantization_group_size",
                       f"must be a positive integer, got {self.quantization_group_size!r}")
-        if self.int4_activations not in ("int8", "float32"):
-            raise bad("int4_activations", f"must be int8 or float32; got {self.int4_activations!r}")
+        for name in ("int4_activations", "int8_activations"):
+            if getattr(self, name) not in ("int8", "float32"):
+                raise bad(name, f"must be int8 or float32; got {getattr(self, name)!r}")
         if self.quantization != "none" and self.linear_kernel in ("onednn", "matmul"):
             raise bad("quantization", f"={self.quantization} runs on the native linear kernel; "
                       f"linear_kernel={self.linear_kernel} reads float weights (use auto or native)")

@@ -75,6 +75,13 @@ def narrow_vectors() -> tuple[dict[str, int], tuple[str, ...]]:
     return {"OMNISTAGE_NO_AVX512": 1}, flags
 
 
+def without_vnni() -> tuple[str, ...]:
+    """The compiler flags that build a kernel's AVX-512 paths without VNNI's integer dot
+    products (vpdpbusd; Skylake-SP / -X Xeons have AVX-512BW but not VNNI): the path those
+    CPUs take, so that it is run and tested everywhere."""
+    return ("-mno-avx512vnni",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+
+
 def wide_vectors() -> tuple[str, ...]:
     """The compiler flags (every build's) that let auto-vectorized loops use 512-bit vectors
     where -march=native has them: GCC's tuning for recent Intel cores prefers 256 bits (a

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
-from omnistage.kernels.build import build_library, narrow_vectors, pick_native
+from omnistage.kernels.build import build_library, narrow_vectors, pick_native, without_vnni
 from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
 _SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
-            "int4": "linear_i4", "int8g": "linear_i8g", "int4k": "linear_i4k"}
+            "int4": "linear_i4", "int8g": "linear_i8g", "int4k": "linear_i4k",
+            "int8k": "linear_i8k"}
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -39,10 +40,12 @@ class NativeLinearKernel:
     """The compiled kernel; shape-free, so one serves every layer of a model.
 
     wide_vectors=False builds the AVX2-width path (8 lanes, 3-row tiles) even on a CPU with
-    AVX-512: the path CPUs without it take, so it is tested everywhere."""
+    AVX-512: the path CPUs without it take, so it is tested everywhere; vnni=False the
+    AVX-512 path of CPUs without VNNI (int4k / int8k dot products through AVX-512BW)."""
 
-    def __init__(self, wide_vectors: bool = True):
+    def __init__(self, wide_vectors: bool = True, vnni: bool = True):
         defines, flags = ({}, ()) if wide_vectors else narrow_vectors()
+        flags = flags if vnni else (*flags, *without_vnni())
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.segmented = lib.linear_segments

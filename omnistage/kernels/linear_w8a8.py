@@ -37,7 +37,7 @@ def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
     n, k = weight.shape
     if k > MAX_IN:
         raise ValueError(f"w8a8 linear: {k} inputs; int32 sums hold at most {MAX_IN}")
-    packed = pack(weight.detach().cpu().t(), WeightFormat("int8"))        # (panels, K, 64) int8
+    packed = pack(weight.detach().cpu().t(), WeightFormat("int8", int8_activations="float32"))   # (P, K, 64)
     panels, k4 = packed.panels.shape[0], (k + 3) // 4
     q = torch.nn.functional.pad(packed.panels, (0, 0, 0, 4 * k4 - k))       # K padded with zeros
     # (panel, group, 4, column) -> (panel, group, column, 4): a chunk is 64 columns x 4 inputs

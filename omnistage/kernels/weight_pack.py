@@ -4,48 +4,63 @@ output column). Packing and quantizing happen once, at load: from a float (in, o
 (`pack`), or from codes and scales quantized elsewhere (`pack_codes`: a GGUF q4_0 / q8_0
 tensor, kept exactly).
 
-Quantization is symmetric and weight-only (activations stay float32):
+Quantization of the weights is symmetric:
 - int8: scale = max |w| of the column / 127, q = round(w / scale) in -127..127;
 - int4: per group of `group_size` inputs, scale = -(the signed weight of largest magnitude) / 8
   (as GGUF's q4_0), q = round(w / scale) in -8..7, stored as q + 8 in a nibble;
 - int8g: per group, scale = max |w| / 127, q = round(w / scale) (as GGUF's q8_0).
+Activations stay float32, or (`int8_activations`, where the inputs and groups are multiples of
+32) are rounded to int8 per block of 32 inputs when the call comes (`int4_activations`,
+`int8_activations`): the int4k / int8k layouts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 PANEL = 64                    # output columns per panel (linear.c)
 FORMATS = ("float32", "bfloat16", "int8", "int4", "int8g")
 GROUPED = ("int4", "int8g")   # formats with one scale per group of inputs
-ACTIVATION_BLOCK = 32         # int4k: inputs per activation scale (linear.c's KB)
+ACTIVATION_BLOCK = 32         # int4k, int8k: inputs per activation scale (linear.c's KB)
 
 
 @dataclass(frozen=True)
 class WeightFormat:
     """How linear weights are stored: one of FORMATS; int4 in groups of `group_size` inputs.
-    `int8_activations`: int4 weights whose inputs and groups are multiples of 32 are laid out
-    for integer dot products against int8-rounded activations (`int4k`, linear.c: ~2x the
-    speed, llama.cpp's q4_0 x q8_0 numerics); False keeps float activations (exact)."""
+    `int4_activations` / `int8_activations`: what int4 / int8 and int8g weights multiply where
+    their inputs and groups are multiples of 32: "int8", laid out for integer dot products
+    against int8-rounded activations (`int4k` / `int8k`, linear.c: llama.cpp's q4_0 x q8_0 /
+    q8_0 x q8_0 numerics, up to ~2x the speed), or "float32" (exact)."""
 
     name: str = "float32"
     group_size: int = 64
-    int8_activations: bool = True
+    int4_activations: str = "int8"
+    int8_activations: str = "int8"
 
     def __post_init__(self) -> None:
         if self.name not in FORMATS:
             raise ValueError(f"weight format must be one of {', '.join(FORMATS)}; got {self.name!r}")
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"int4 group size must be a positive integer; got {self.group_size!r}")
+        for side in (self.int4_activations, self.int8_activations):
+            if side not in ("int8", "float32"):
+                raise ValueError(f"activations must be int8 or float32; got {side!r}")
+
+    def integer_dots(self, name: str) -> bool:
+        """Whether weights stored as `name` (int4, int8, int8g) multiply int8 activations."""
+        return (self.int4_activations if name == "int4" else self.int8_activations) == "int8"
 
     def for_output_head(self) -> WeightFormat:
         """The format of a model's output head (lm_head): int4 keeps it in int8, as llama.cpp
         keeps its output matrix at 6+ bits: its error lands on the logits directly, with no
         later layer to average it out. (Measured on the `trained` tiny Qwen2: logits' max
-        error 0.49 -> see docs/quantization.md.)"""
-        return WeightFormat("int8", int8_activations=self.int8_activations) if self.name == "int4" else self
+        error 0.49 -> see docs/quantization.md.) That int8 head multiplies what the int4
+        weights do (int4_activations)."""
+        if self.name != "int4":
+            return self
+        return replace(self, name="int8", int8_activations=self.int4_activations)
 
 
 def exact_format(weight_t: torch.Tensor, fmt: WeightFormat) -> WeightFormat:
@@ -58,7 +73,7 @@ def exact_format(weight_t: torch.Tensor, fmt: WeightFormat) -> WeightFormat:
         return fmt
     if bool((weight_t.detach().view(torch.int32) & 0xFFFF).any()):     # bits below bf16's
         return fmt
-    return WeightFormat("bfloat16", fmt.group_size, fmt.int8_activations)
+    return replace(fmt, name="bfloat16")
 
 
 @dataclass
@@ -107,12 +122,9 @@ class QuantizedCodes:
 
 def quantize_codes(weight: torch.Tensor, fmt: WeightFormat) -> QuantizedCodes:
     """(out, in) float weight -> QuantizedCodes in a grouped `fmt` (as `pack` quantizes)."""
-    packed = pack(weight.t(), fmt)
+    packed = pack(weight.t(), replace(fmt, int4_activations="float32", int8_activations="float32"))
     k, n, g = packed.in_features, packed.out_features, -(-packed.in_features // fmt.group_size)
-    if fmt.name == "int4":
-        codes = packed.codes()                                                # (P, K, 64)
-    else:
-        codes = packed.panels
+    codes = packed.codes() if fmt.name == "int4" else packed.panels          # (P, K, 64)
     codes = codes.transpose(0, 1).reshape(k, -1)[:, :n].t().contiguous()
     scales = packed.group_scales.transpose(0, 1).reshape(g, -1)[:, :n].t().contiguous()
     return QuantizedCodes(fmt.name, codes, scales, fmt.group_size)
@@ -124,10 +136,12 @@ class PackedWeight:
 
     panels: float32 / bfloat16 / int8 (num_panels, in, 64) (int8g too; bfloat16 columns in
     pairs: _pair_columns), or uint8 (num_panels, in, 32) for int4, or uint8 (num_panels, in / 8,
-    64, 4) for int4k (int4 whose inputs and groups are multiples of 32, laid out for integer dot
-    products against int8 activations: linear.c); column_scales: float32 (num_panels * 64,) for
-    int8; group_scales: float32 (num_panels, ceil(in / group_size), 64) for int4, int4k and
-    int8g. Zero past out_features."""
+    64, 4) for int4k, or uint8 (num_panels, in / 4, 64, 4) for int8k (int4 / int8 whose inputs
+    and groups are multiples of 32, laid out for integer dot products against int8
+    activations: linear.c; int8k bytes hold q + 128); column_scales: float32 (num_panels * 64,)
+    for int8; group_scales: float32 (num_panels, ceil(in / group_size), 64) for int4, int4k,
+    int8g and int8k (an int8 weight's column scales as one group of all inputs). Zero past
+    out_features."""
 
     format: str
     panels: torch.Tensor
@@ -146,13 +160,14 @@ class PackedWeight:
         """The (in, out) float32 weight the kernel computes with (each weight as linear.c
         widens or dequantizes it), for checks and references."""
         k, n, num = self.in_features, self.out_features, self.panels.shape[0]
-        if self.format in (*GROUPED, "int4k"):
+        if self.format in (*GROUPED, "int4k", "int8k"):
             s = self.group_scales.repeat_interleave(self.group_size, dim=1)[:, :k]
             if self.format in ("int4", "int4k"):
                 u = self.codes().float()                         # (P, K, 64)
                 w = torch.addcmul(-8.0 * s, u, s)            # one rounding, like linear.c's FMA
             else:
-                w = self.panels.float() * s
+                # int8k scales sums of products, not weights: the same product up to rounding.
+                w = self.codes().float() * s
         else:
             w = (_pair_columns(self.panels, undo=True) if self.format == "bfloat16" else self.panels).float()
             if self.format == "int8":
@@ -162,9 +177,15 @@ class PackedWeight:
         return w.transpose(0, 1).reshape(k, num * PANEL)[:, :n].contiguous()
 
     def codes(self) -> torch.Tensor:
-        """int4 / int4k: the codes u (0..15) as (num_panels, in, 64) uint8."""
+        """The codes as (num_panels, in, 64): int4 / int4k u (0..15) uint8; int8g / int8k q
+        int8."""
         if self.format == "int4":
             return torch.cat([self.panels & 15, self.panels >> 4], dim=-1)
+        if self.format == "int8g":
+            return self.panels
+        if self.format == "int8k":                           # (P, K/4, 64, 4): q + 128
+            q = (self.panels.to(torch.int16) - 128).to(torch.int8)
+            return q.transpose(2, 3).reshape(q.shape[0], -1, PANEL)
         p = self.panels                                      # (P, K/8, 64, 4)
         u = torch.cat([p & 15, p >> 4], dim=-1)              # (P, K/8, 64, 8): inputs 8c + i
         return u.permute(0, 1, 3, 2).reshape(p.shape[0], -1, PANEL)
@@ -186,6 +207,8 @@ def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWe
     if name == "int8":
         scale = w.abs().amax(dim=0) / 127                                      # (N_pad,)
         q = torch.round(w / _nonzero(scale)).clamp_(-127, 127).to(torch.int8)
+        if fmt.integer_dots(name) and k % ACTIVATION_BLOCK == 0:    # one group of all K inputs
+            return _grouped("int8g", q, scale.view(1, -1), k, n, fmt)
         return PackedWeight(name, _panels(q, k, num), k, n, column_scales=scale.contiguous())
     groups = -(-k // group_size)
     wg = torch.nn.functional.pad(w, (0, 0, 0, groups * group_size - k)).view(groups, group_size, -1)
@@ -197,33 +220,39 @@ def pack(weight_t: torch.Tensor, fmt: WeightFormat = WeightFormat()) -> PackedWe
         scale = wg.abs().amax(dim=1) / 127
         q = torch.round(wg / _nonzero(scale).unsqueeze(1)).clamp_(-127, 127)
     codes = q.view(-1, num * PANEL)[:k].to(torch.uint8 if name == "int4" else torch.int8)
-    return _grouped(name, codes, scale, group_size, n, fmt.int8_activations)
+    return _grouped(name, codes, scale, group_size, n, fmt)
 
 
-def pack_codes(w: QuantizedCodes, int8_activations: bool = True) -> PackedWeight:
-    """A weight quantized elsewhere, in panels exactly as its codes and scales say
-    (`int8_activations`: as WeightFormat's)."""
+def pack_codes(w: QuantizedCodes, fmt: WeightFormat = WeightFormat()) -> PackedWeight:
+    """A weight quantized elsewhere, in panels exactly as its codes and scales say, against
+    the activations `fmt` names for its format (fmt's name and group size are not used)."""
     n, k = w.codes.shape
     num = -(-n // PANEL)
     fill = 8 if w.format == "int4" else 0                  # padding columns weigh zero
     codes_t = torch.nn.functional.pad(w.codes.t(), (0, num * PANEL - n), value=fill)
     scales_t = torch.nn.functional.pad(w.scales.float().t(), (0, num * PANEL - n))
-    return _grouped(w.format, codes_t, scales_t, w.group_size, n, int8_activations)
+    return _grouped(w.format, codes_t, scales_t, w.group_size, n, fmt)
 
 
 def _grouped(name: str, codes_t: torch.Tensor, scale: torch.Tensor, group_size: int,
-             n: int, int8_activations: bool) -> PackedWeight:
+             n: int, fmt: WeightFormat) -> PackedWeight:
     """codes_t (K, N_pad) (int4: uint8 0..15; int8g: int8) and scale (groups, N_pad) float32
-    -> the PackedWeight of a grouped format (int4 as int4k where int8_activations and the
-    shape allow it)."""
+    -> the PackedWeight of a grouped format (int4 as int4k, int8g as int8k where `fmt` asks
+    for int8 activations and the shape allows it)."""
     k, num = codes_t.shape[0], codes_t.shape[1] // PANEL
-    if name == "int4" and int8_activations and k % ACTIVATION_BLOCK == 0 \
-            and group_size % ACTIVATION_BLOCK == 0:
+    integer_dots = fmt.integer_dots(name) and k % ACTIVATION_BLOCK == 0 \
+        and group_size % ACTIVATION_BLOCK == 0
+    if name == "int4" and integer_dots:
         # int4k: per 8 inputs and column, 4 bytes: byte i = u(8c + i) | u(8c + 4 + i) << 4
         u = codes_t.view(k // 8, 2, 4, num, PANEL)                            # (K/8, 2, 4, P, 64)
         bytes_ = u[:, 0] | (u[:, 1] << 4)                                     # (K/8, 4, P, 64)
         panels = bytes_.permute(2, 0, 3, 1).contiguous()                      # (P, K/8, 64, 4)
         name = "int4k"
+    elif name == "int8g" and integer_dots:
+        # int8k: per 4 inputs and column, 4 bytes: byte i = q(4c + i) + 128
+        u = (codes_t.to(torch.int16) + 128).to(torch.uint8).view(k // 4, 4, num, PANEL)
+        panels = u.permute(2, 0, 3, 1).contiguous()                          # (P, K/4, 64, 4)
+        name = "int8k"
     elif name == "int4":
         u = codes_t.view(k, num, PANEL)
         nibbles = u[..., :PANEL // 2] | (u[..., PANEL // 2:] << 4)            # (K, P, 32)

@@ -106,7 +106,7 @@ class TransposedLinear(nn.Module):
             return                                # packed while loading (pack_when_loaded)
         codes = self._merged_codes() if kernel is not None else None
         if codes is not None:                     # every shard pre-quantized alike: as stored
-            self.native, self.panels = kernel, pack_codes(codes, fmt.int8_activations)
+            self.native, self.panels = kernel, pack_codes(codes, fmt)
         else:
             for shard, part in self._codes.items():   # mixed with float shards: as floats
                 off = self.shard_offsets[shard]
@@ -190,7 +190,7 @@ def use_native_linears(model: nn.Module, kernel: NativeLinearKernel,
 def weight_format(config: EngineConfig) -> WeightFormat:
     """How the native kernel stores the linear weights for `config.quantization`."""
     return WeightFormat(WEIGHT_FORMATS[config.quantization], config.quantization_group_size,
-                        config.int4_activations == "int8")
+                        config.int4_activations, config.int8_activations)
 
 
 def native_linears_for(config: EngineConfig, device: torch.device, dtype: torch.dtype,

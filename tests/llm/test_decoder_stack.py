@@ -30,13 +30,14 @@ def _run(model_dir: str, stack: bool, **options):
 
 
 @pytest.mark.parametrize("quantization,activations,atol", [
-    ("none", "int8", 2e-4), ("int8", "int8", 2e-4), ("int4", "float32", 2e-4), ("int4", "int8", 5e-2)])
+    ("none", "int8", 2e-4), ("int8", "float32", 2e-4), ("int8", "int8", 5e-2), ("int4", "float32", 2e-4),
+    ("int4", "int8", 5e-2)])
 def test_stack_equals_per_op_path(tiny_qwen2, quantization, activations, atol):
     """Chunked prefill (48-token budget) mixes decodes and prefill chunks in steps, and the
     last layer keeps only the sampled rows. The two paths differ in float32 rounding (RMSNorm
-    sums); with int8 activations (int4k) such a difference can move an activation by a whole
-    int8 step, which the random tiny model amplifies (1.2e-2 measured)."""
-    options = dict(quantization=quantization, int4_activations=activations)
+    sums); with int8 activations (int4k, int8k) such a difference can move an activation by a
+    whole int8 step, which the random tiny model amplifies (1.2e-2 measured)."""
+    options = dict(quantization=quantization, int4_activations=activations, int8_activations=activations)
     tokens, logprobs = _run(tiny_qwen2, True, **options)
     ref_tokens, ref_logprobs = _run(tiny_qwen2, False, **options)
     assert tokens == ref_tokens

@@ -60,7 +60,8 @@ def test_equals_transformers_on_the_same_file(gguf_files, file_type, stored):
     """Every matrix (the head too, tied to the q4_0 / q8_0 embedding table) in the file's own
     format, float activations: transformers' greedy tokens, its logits within float32 rounding
     (measured 1.3-2.1e-5 with logits up to ~17)."""
-    omni, tokens, logits = _ours(gguf_files[file_type], int4_activations="float32")
+    omni, tokens, logits = _ours(gguf_files[file_type], int4_activations="float32",
+                                 int8_activations="float32")
     assert omni.engine.llm.linear_kernel == "native" and _formats(omni) == {stored}
     ref_tokens, ref_logits = _transformers(gguf_files[file_type])
     assert tokens == ref_tokens
@@ -69,14 +70,16 @@ def test_equals_transformers_on_the_same_file(gguf_files, file_type, stored):
 
 
 @needs_cc
-def test_q4_0_with_int8_activations(gguf_files):
-    """By default q4_0 weights multiply int8-rounded activations (int4k, llama.cpp's own
-    numerics; its accuracy is measured on the trained model, test_quantization.py): every
-    layer holds the file's codes and scales, in the layout for integer dot products. (On this
-    random model the activations' rounding moves logits by up to ~4: it is built chaotic.)"""
-    default = Omni(str(gguf_files["q4_0"]))
-    exact = Omni(str(gguf_files["q4_0"]), int4_activations="float32")
-    assert _formats(default) == {"int4k"} and _formats(exact) == {"int4"}
+@pytest.mark.parametrize("file_type,dots,exact_format", [("q4_0", "int4k", "int4"), ("q8_0", "int8k", "int8g")])
+def test_int8_activations_by_default(gguf_files, file_type, dots, exact_format):
+    """By default q4_0 and q8_0 weights multiply int8-rounded activations (int4k / int8k,
+    llama.cpp's own numerics; their accuracy is measured on the trained model,
+    test_quantization.py): every layer holds the file's codes and scales, in the layout for
+    integer dot products. (On this random model the activations' rounding moves logits by up
+    to ~4: it is built chaotic.)"""
+    default = Omni(str(gguf_files[file_type]))
+    exact = Omni(str(gguf_files[file_type]), int4_activations="float32", int8_activations="float32")
+    assert _formats(default) == {dots} and _formats(exact) == {exact_format}
     pairs = [(a, b) for a, b in zip(default.engine.llm.model.modules(), exact.engine.llm.model.modules())
              if getattr(a, "panels", None) is not None]
     assert len(pairs) == 4 * 2 + 1
@@ -104,7 +107,7 @@ def test_other_types_are_requantized_within_bound(gguf_files):
     """q4_1 has no exact format here: int8g groups of 32, each weight within half a step
     (1/127 of its block's largest magnitude) of gguf-py's value."""
     omni = Omni(str(gguf_files["q4_1"]))
-    assert _formats(omni) == {"int8g"}
+    assert _formats(omni) == {"int8k"}                 # against int8 activations (default)
     down = omni.engine.llm.model.layers[0].mlp.down
     t = next(t for t in GGUFFile(gguf_files["q4_1"]).tensors if t.name == "blk.0.ffn_down.weight")
     want = torch.from_numpy(gguf.quants.dequantize(t.data.reshape(t.shape[0], -1),
@@ -123,7 +126,7 @@ def test_other_kernels_and_explicit_quantization_dequantize(gguf_files):
     assert plain.engine.llm.linear_kernel == "matmul" and tokens == native_tokens
     int8 = Omni(str(gguf_files["q4_0"]), quantization="int8")
     assert int8.engine.llm.linear_kernel == "native int8"
-    assert _formats(int8) == {"int8"}
+    assert _formats(int8) == {"int8k"}
 
 
 def test_config_from_metadata(gguf_files, tiny_qwen2):

@@ -30,9 +30,20 @@ def narrow_kernel(c_compiler) -> NativeLinearKernel:
     return NativeLinearKernel(wide_vectors=False)
 
 
+@pytest.fixture(scope="module")
+def no_vnni_kernel(c_compiler) -> NativeLinearKernel:
+    """The AVX-512 path of CPUs without VNNI (int4k / int8k through AVX-512BW)."""
+    return NativeLinearKernel(vnni=False)
+
+
+EXACT = dict(int4_activations="float32", int8_activations="float32")
 FORMATS = [WeightFormat("float32"), WeightFormat("bfloat16"), WeightFormat("int8"),
-           WeightFormat("int4", 32), WeightFormat("int4", 7), WeightFormat("int8g", 32),
-           WeightFormat("int8g", 5)]
+           WeightFormat("int8", **EXACT), WeightFormat("int4", 32), WeightFormat("int4", 7),
+           WeightFormat("int8g", 32), WeightFormat("int8g", 32, **EXACT), WeightFormat("int8g", 5)]
+
+
+def fmt_id(f: WeightFormat) -> str:
+    return f"{f.name}-{f.group_size}" + ("-exact" if f.int8_activations == "float32" else "")
 # (rows, out, in): one row (the decode path), every tile height 1-6 and their mixes, partial
 # last panels (out not a multiple of 64), odd inner sizes.
 SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 100, 64),
@@ -40,9 +51,9 @@ SHAPES = [(1, 64, 16), (1, 5, 3), (2, 130, 33), (3, 64, 7), (4, 192, 512), (5, 1
 
 
 def activations(x: torch.Tensor, packed) -> torch.Tensor:
-    """x as the kernel multiplies it: int4k rounds each block of 32 inputs of a row to int8
-    steps of max |x| / 127 (linear.c); every other format takes x as it is."""
-    if packed.format != "int4k":
+    """x as the kernel multiplies it: int4k and int8k round each block of 32 inputs of a row
+    to int8 steps of max |x| / 127 (linear.c); every other format takes x as it is."""
+    if packed.format not in ("int4k", "int8k"):
         return x
     blocks = x.view(x.shape[0], -1, 32)
     scale = blocks.abs().amax(-1, keepdim=True) / 127
@@ -52,25 +63,30 @@ def activations(x: torch.Tensor, packed) -> torch.Tensor:
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
-def test_matches_float64_product(kernel, narrow_kernel, m, n, k, bias, fmt):
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+def test_matches_float64_product(kernel, narrow_kernel, no_vnni_kernel, m, n, k, bias, fmt):
     """The product of x and the weights as the format stores them (dequantized), within
     float32 summation error; the AVX2-width path gives the same bits (each output is the same
-    chain of FMAs in either)."""
+    chain of FMAs in either), as does AVX-512 without VNNI (the same integer sums)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w_t = torch.randn(k, n, generator=g)                 # (in, out), as TransposedLinear keeps it
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(m, k, generator=g)
     packed = kernel.pack(w_t, fmt)
-    assert packed.panels.shape[:2] == (-(-n // 64), k if packed.format != "int4k" else k // 8)
+    assert packed.panels.shape[:2] == (-(-n // 64), {"int4k": k // 8, "int8k": k // 4}.get(packed.format, k))
+    integer_dots = fmt.name in ("int4", "int8", "int8g") and fmt.integer_dots(fmt.name) \
+        and k % 32 == 0 and fmt.group_size % 32 == 0
+    assert packed.format == (fmt.name[:4] + "k" if integer_dots else fmt.name)
     got = kernel(x, packed, b)
     ref = activations(x, packed).double() @ packed.dequantize().double() + (b.double() if bias else 0)
     assert got.shape == (m, n) and got.is_contiguous()
     torch.testing.assert_close(got.double(), ref, atol=2e-5 * k ** 0.5, rtol=1e-5)
     assert torch.equal(narrow_kernel(x, packed, b), got)
+    if packed.format in ("int4k", "int8k"):
+        assert torch.equal(no_vnni_kernel(x, packed, b), got)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
 def test_quantization_error_is_bounded(fmt):
     """Each stored weight is within the format's rounding of the original: bf16 half an ulp
     (2^-8 relative), int8 half a column scale, int4 half a group scale (one scale on the
@@ -104,11 +120,11 @@ def test_quantization_error_is_bounded(fmt):
 
 
 @pytest.mark.parametrize("name,group,k", [("int4", 32, 70), ("int8g", 32, 70), ("int4", 5, 70),
-                                          ("int4", 32, 96)])
+                                          ("int4", 32, 96), ("int8g", 32, 96)])
 def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group, k):
     """pack_codes (a GGUF q4_0 / q8_0 tensor's codes and scales): the kernel computes with
     exactly (u - 8) * s or q * s, whatever the shape (partial panels, a partial last group;
-    inputs a multiple of 32: int4k, against int8-rounded activations)."""
+    inputs a multiple of 32: int4k / int8k, against int8-rounded activations)."""
     g = torch.Generator().manual_seed(7)
     n = 100
     groups = -(-k // group)
@@ -123,7 +139,7 @@ def test_codes_quantized_elsewhere_are_kept_exactly(kernel, name, group, k):
     assert torch.equal(w.as_int8g().dequantize(), want)                 # lossless
     again = quantize_codes(want, WeightFormat(name, group))             # codes <-> panels
     assert torch.equal(pack_codes(again).panels, pack(want.t(), WeightFormat(name, group)).panels)
-    assert packed.format == (name if k % 32 else "int4k")
+    assert packed.format == (name if k % 32 else name[:4] + "k")
     x = torch.randn(3, k, generator=g)
     torch.testing.assert_close(kernel(x, packed, None).double(),
                                activations(x, packed).double() @ want.t().double(),
@@ -150,7 +166,7 @@ def test_inputs_of_other_layouts(kernel):
         kernel(torch.randn(2, 41), packed, None)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.name}-{f.group_size}")
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
 def test_rows_are_batch_invariant(kernel, fmt):
     """A row's result is the same bits alone, in any batch, and at any position of it."""
     g = torch.Generator().manual_seed(2)
