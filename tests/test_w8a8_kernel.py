@@ -1,6 +1,6 @@
 """The int8 product (kernels/linear_w8a8.c): exact integer sums against a reference computed
 here, the AMX, VNNI and plain C paths equal, a row's result independent of its batch, the
-fused GELU, and its error against the float32 product."""
+fused GELU, norm and gated residual, and its error against the float32 product."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.kernels.linear_w8a8 import W8A8Kernel, pack_w8a8
+from omnistage.kernels.linear_w8a8 import GatedResidual, RowNorm, W8A8Kernel, pack_w8a8
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,31 @@ def test_bad_shapes_and_activations_are_refused(fast):
         fast(torch.randn(2, 16), packed, None, "relu")
     with pytest.raises(ValueError, match="int32"):
         pack_w8a8(torch.zeros(1, 70000))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 64), (70, 256, 200), (37, 1000, 70), (5, 7, 3), (130, 64, 129)])
+def test_norm_before_and_gated_residual_after_in_the_same_call(fast, plain, vnni, m, k, n):
+    """A LayerNorm (weight and bias) on each row as it is quantized, and res + gate * y after
+    (the DiT's modulated norm and gated residual): what the separate torch steps give, within
+    float rounding of the norm (an input one ulp away may round to the next int8 step); the
+    same bits on every path and for a row alone."""
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g) * 2 + 0.7
+    packed, bias = pack_w8a8(torch.randn(n, k, generator=g) * 0.05), torch.randn(n, generator=g)
+    norm = RowNorm(torch.randn(k, generator=g) * 0.2 + 1, torch.randn(k, generator=g) * 0.1, 1e-6)
+    res, gate = torch.randn(m, n, generator=g), torch.randn(1, n, generator=g)
+    got = fast(x, packed, bias, "gelu_tanh", norm=norm, residual=GatedResidual(res, gate))
+    h = F.layer_norm(x, (k,), norm.weight, norm.bias, eps=norm.eps)
+    want = torch.addcmul(res, gate.view(-1), fast(h, packed, bias, "gelu_tanh"))
+    step = (h.abs().amax() / 127 * packed.scales.abs().max() * 127 * gate.abs().max()).item()
+    assert (got - want).abs().max().item() <= 3 * step
+    assert (got - want).abs().le(1e-5 * (1 + want.abs())).float().mean() > 0.95
+    for other in (plain, vnni):
+        assert torch.equal(other(x, packed, bias, "gelu_tanh", norm=norm, residual=GatedResidual(res, gate)), got)
+    r = m // 2
+    alone = fast(x[r:r + 1], packed, bias, "gelu_tanh", norm=norm, residual=GatedResidual(res[r:r + 1], gate))
+    assert torch.equal(alone, got[r:r + 1])
+    with pytest.raises(ValueError, match="residual"):
+        fast(x, packed, bias, residual=GatedResidual(res[:-1] if m > 1 else torch.randn(2, n), gate))
+    with pytest.raises(ValueError, match="norm weight"):
+        fast(x, packed, bias, norm=RowNorm(norm.weight[:-1], norm.bias, 1e-6))

@@ -22,6 +22,11 @@
  * sw and comp are per panel too (num_panels, 64), zero past N.
  *
  * An optional activation follows in the same pass (act 1: GELU's tanh form, see gelu_tanh).
+ * Optional fusions (W8A8Fuse): a LayerNorm with per-input weight and bias applied to each row
+ * of x as it is quantized (the DiT's modulated norm before q|k|v and the feed-forward), and a
+ * gated residual after (y = res + gate * y: the DiT's x + gate * attention / feed-forward):
+ * each saves a pass of torch over the rows in and out of the product, which at DiT sizes
+ * (K = 256-1024) cost as much as the quantization itself.
  *
  * AMX (Intel Xeon since Sapphire Rapids; the build has it where -march=native does, the caller
  * asks for it per call once linear_w8a8_amx() got the OS's permission): the same integer sums
@@ -57,6 +62,63 @@
 #include <unistd.h>
 #endif
 #endif
+
+/* What linear_w8a8 fuses around the product (NULL: nothing). */
+typedef struct {
+    const float *norm_w, *norm_b;   /* (k,) each: x's rows LayerNorm'ed (eps) then * norm_w +
+                                     * norm_b before quantizing; norm_w NULL: no norm */
+    float eps;
+    const float *res;               /* (m, n) at row stride ldr: y = res + gate * y; NULL: none */
+    int64_t ldr;
+    const float *gate;              /* (n,) */
+} W8A8Fuse;
+
+typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
+
+/* Sums over a row in one fixed order on every build (so every path gives the same bits): four
+ * 16-lane running sums over whole 64s (independent chains: a single one would wait on each
+ * addition's latency, ~4x slower at K = 256), the 16s left into the first, then the four
+ * added, the 16 lanes in a fixed tree, and the last few inputs one by one.
+ * row_sum(v, k, mean, 0): sum of v; (.., 1): sum of (v - mean)^2. */
+static inline float tree16(v16f a) {
+    a += __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+    a += __builtin_shufflevector(a, a, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    a += __builtin_shufflevector(a, a, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+    return a[0];
+}
+
+static inline v16f term16(const float *p, float mean, int sq) {
+    v16f a;
+    memcpy(&a, p, sizeof a);
+    if (!sq) return a;
+    a -= mean;
+    return a * a;
+}
+
+static inline float row_sum(const float *v, int64_t k, float mean, int sq) {
+    v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+        a0 += term16(v + i, mean, sq);
+        a1 += term16(v + i + 16, mean, sq);
+        a2 += term16(v + i + 32, mean, sq);
+        a3 += term16(v + i + 48, mean, sq);
+    }
+    for (; i + 16 <= k; i += 16) a0 += term16(v + i, mean, sq);
+    float total = tree16((a0 + a1) + (a2 + a3));
+    for (; i < k; i++) total += sq ? (v[i] - mean) * (v[i] - mean) : v[i];
+    return total;
+}
+
+/* dst (k) = LayerNorm(src) * w + b: the mean, then the mean of squared deviations (two passes,
+ * as torch's CPU layer_norm), rstd = 1 / sqrt(var + eps). */
+static void norm_row(const float *restrict src, int64_t k, const float *restrict w,
+                     const float *restrict b, float eps, float *restrict dst) {
+    const float mean = row_sum(src, k, 0.0f, 0) / (float)k;
+    const float rstd = 1.0f / sqrtf(row_sum(src, k, mean, 1) / (float)k + eps);
+    for (int64_t i = 0; i < k; i++) dst[i] = (src[i] - mean) * rstd * w[i] + b[i];
+}
 
 /* Row r of x (m, k) -> u (m, kp): qx + 128, padded with 128 (qx = 0) to kp; s[r] = sx.
  * qx = rint(x * (127 / max |x|)) (round half to even: rintf and vcvtps2dq under the default
@@ -218,22 +280,34 @@ static void vnni_add(const uint8_t *u, int64_t kp, const int8_t *p, int64_t g0, 
 }
 #endif
 
-/* y = act(isum - comp) * (sx * sw) + bias for `rows` rows of one panel's `cols` columns. */
+/* The rows' epilogue: the residual and gate of W8A8Fuse (res NULL: none), for one panel's
+ * columns (pointers at its first column, row r0's row). */
+typedef struct {
+    const float *res, *gate;
+    int64_t ldr;
+} Residual;
+
+/* y = act(isum - comp) * (sx * sw) + bias for `rows` rows of one panel's `cols` columns, then
+ * y = res + gate * y where there is a residual. */
 static void finish_rows(int32_t isum[][PANEL], int rows, const float *sx, const float *ws,
-                        const int32_t *wc, const float *bias, int32_t act, float *y, int64_t ldy,
-                        int64_t cols) {
+                        const int32_t *wc, const float *bias, int32_t act, Residual rs, float *y,
+                        int64_t ldy, int64_t cols) {
     for (int i = 0; i < rows; i++) {
         float *dst = y + i * ldy;
         for (int64_t c = 0; c < cols; c++)
             dst[c] = fmaf((float)(isum[i][c] - wc[c]), sx[i] * ws[c], bias != NULL ? bias[c] : 0.0f);
         if (act == 1) gelu_tanh(dst, cols);
+        if (rs.res != NULL) {
+            const float *res = rs.res + i * rs.ldr;
+            for (int64_t c = 0; c < cols; c++) dst[c] = fmaf(rs.gate[c], dst[c], res[c]);
+        }
     }
 }
 
 /* Rows [r0, r1) of y for panel j: tiles of MR rows (VNNI or plain C) or AMX_ROWS (AMX). */
 static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const int8_t *p,
                           int64_t k4, const float *ws, const int32_t *wc, const float *bias,
-                          int32_t act, float *y, int64_t ldy, int64_t r0, int64_t r1,
+                          int32_t act, Residual rs, float *y, int64_t ldy, int64_t r0, int64_t r1,
                           int64_t cols, int amx) {
     int32_t isum[AMX_ROWS][PANEL];
     const int step = amx ? AMX_ROWS : MR;
@@ -251,17 +325,46 @@ static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const i
             for (int i = 0; i < MR; i++) tile_rows[i] = u + (r + i < r1 ? r + i : r1 - 1) * kp;
             tile_sums(tile_rows, p, k4, isum);
         }
-        finish_rows(isum, rows, sx + r, ws, wc, bias, act, y + r * ldy, ldy, cols);
+        Residual here = rs;
+        if (rs.res != NULL) here.res = rs.res + r * rs.ldr;
+        finish_rows(isum, rows, sx + r, ws, wc, bias, act, here, y + r * ldy, ldy, cols);
     }
 }
 
+/* Rows [0, m) of x quantized into u and sx (after fuse's norm where it has one, through a
+ * per-thread row of scratch); 0 if that scratch could not be had. */
+static int quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp,
+                         const W8A8Fuse *fuse, uint8_t *u, float *sx) {
+    const int norm = fuse != NULL && fuse->norm_w != NULL;
+    int ok = 1;
+    #pragma omp parallel if (m > 16)
+    {
+        float *row = norm ? malloc(sizeof(float) * (size_t)(k > 0 ? k : 1)) : NULL;
+        if (norm && row == NULL) {
+            #pragma omp atomic write
+            ok = 0;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) {
+            const float *src = x + r * ldx;
+            if (row != NULL) {
+                norm_row(src, k, fuse->norm_w, fuse->norm_b, fuse->eps, row);
+                src = row;
+            }
+            quantize_row(src, k, kp, u + r * kp, sx + r);
+        }
+        free(row);
+    }
+    return ok;
+}
+
 /* y (m, n; row stride ldy) = act(x (m, k; row stride ldx) W^T + bias (may be NULL)), W packed
- * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh; amx: the AMX path (only once
- * linear_w8a8_amx() returned 1). Scratch for the quantized rows is malloc'ed per call; if it
- * cannot be had, y is filled with NaN. */
+ * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh; fuse: see W8A8Fuse (NULL:
+ * none); amx: the AMX path (only once linear_w8a8_amx() returned 1). Scratch for the quantized
+ * rows is malloc'ed per call; if it cannot be had, y is filled with NaN. */
 void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
                  const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
-                 int64_t m, int64_t n, int64_t k, int32_t amx) {
+                 int64_t m, int64_t n, int64_t k, int32_t amx, const W8A8Fuse *fuse) {
 #ifndef W8A8_AMX
     amx = 0;
 #endif
@@ -270,7 +373,7 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     const int64_t rows_held = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
     uint8_t *u = malloc((size_t)(rows_held * kp > 0 ? rows_held * kp : 1));
     float *sx = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-    if (u == NULL || sx == NULL) {
+    if (u == NULL || sx == NULL || !quantize_rows(x, ldx, m, k, kp, fuse, u, sx)) {
         for (int64_t r = 0; r < m; r++)
             for (int64_t c = 0; c < n; c++) y[r * ldy + c] = __builtin_nanf("");
         free(u);
@@ -278,8 +381,8 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
         return;
     }
     memset(u + m * kp, 128, (size_t)((rows_held - m) * kp));     /* padding rows: qx = 0 */
-    #pragma omp parallel for schedule(static) if (m > 16)
-    for (int64_t r = 0; r < m; r++) quantize_row(x + r * ldx, k, kp, u + r * kp, sx + r);
+    const Residual rs = {fuse != NULL ? fuse->res : NULL, fuse != NULL ? fuse->gate : NULL,
+                         fuse != NULL ? fuse->ldr : 0};
     #pragma omp parallel
     {
 #ifdef W8A8_AMX
@@ -289,8 +392,10 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     for (int64_t item = 0; item < blocks * num_panels; item++) {
         const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
         const int64_t r1 = (b + 1) * row_block < m ? (b + 1) * row_block : m;
+        const Residual here = {rs.res != NULL ? rs.res + n0 : NULL, rs.res != NULL ? rs.gate + n0 : NULL,
+                               rs.ldr};
         rows_of_panel(u, kp, sx, panels + j * k4 * 256, k4, sw + j * PANEL, comp + j * PANEL,
-                      bias != NULL ? bias + n0 : NULL, act, y + n0, ldy, b * row_block, r1,
+                      bias != NULL ? bias + n0 : NULL, act, here, y + n0, ldy, b * row_block, r1,
                       n - n0 < PANEL ? n - n0 : PANEL, amx);
     }
 #ifdef W8A8_AMX

@@ -2,7 +2,9 @@
 output column, each row of x per call, exact int32 sums (AMX tiles where the CPU and the OS
 allow them, else VNNI where the CPU has it, else plain C: the same bits). For compute-bound
 GEMMs already at the bf16 peak; what it costs in accuracy is the caller's to state (the
-quantization of both sides, ~1/254 of each row's and column's largest value)."""
+quantization of both sides, ~1/254 of each row's and column's largest value). A LayerNorm before
+(each row normalized, then * weight + bias, as it is quantized) and a gated residual after
+(res + gate * y) can run in the same call (RowNorm, GatedResidual)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,28 @@ from omnistage.kernels.weight_pack import PANEL, WeightFormat, pack
 SOURCE = Path(__file__).with_name("linear_w8a8.c")
 ACTIVATIONS = {"none": 0, "gelu_tanh": 1}    # linear_w8a8.c's act
 MAX_IN = 66000            # 255 * 127 * K (the biased sum) stays below 2^31
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """LayerNorm over the last dimension with this weight and bias (k,) float32, as
+    F.layer_norm(x, (k,), weight, bias, eps) computes it (within float rounding)."""
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class GatedResidual:
+    """y -> res + gate * y: res shaped as the output, gate (out,) (broadcast over rows)."""
+    res: torch.Tensor
+    gate: torch.Tensor
+
+
+class _Fuse(ctypes.Structure):
+    """linear_w8a8.c's W8A8Fuse."""
+    _fields_ = [("norm_w", ctypes.c_void_p), ("norm_b", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("res", ctypes.c_void_p), ("ldr", ctypes.c_int64), ("gate", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -56,16 +80,19 @@ class W8A8Kernel:
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.linear_w8a8
-        self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64, ctypes.c_int32]
+        self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64, ctypes.c_int32,
+                             ctypes.POINTER(_Fuse)]
         self._fn.restype = None
         lib.linear_w8a8_vnni.restype = lib.linear_w8a8_amx.restype = ctypes.c_int
         self.vnni = bool(lib.linear_w8a8_vnni())
         self.amx = amx and bool(lib.linear_w8a8_amx())    # asks the OS for the tiles once
 
     def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
-                 activation: str = "none") -> torch.Tensor:
+                 activation: str = "none", norm: RowNorm | None = None,
+                 residual: GatedResidual | None = None) -> torch.Tensor:
         """x (..., in) float32 on the CPU -> (..., out) float32; bias (out,) float32 or None;
-        activation "none" or "gelu_tanh" (GELU's tanh form, in the same pass)."""
+        activation "none" or "gelu_tanh" (GELU's tanh form, in the same pass); norm: x's rows
+        layer-normed first; residual: added after the activation."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"w8a8 linear: activation {activation!r}, not one of {sorted(ACTIVATIONS)}")
         if x.shape[-1] != w.in_features or (bias is not None and bias.shape != (w.out_features,)):
@@ -77,8 +104,41 @@ class W8A8Kernel:
         b = None if bias is None else bias.float().contiguous()
         m = flat.shape[0]
         y = torch.empty(m, w.out_features, dtype=torch.float32)
+        fuse, keep = self._fuse(norm, residual, m, w)
         if m:
             self._fn(flat.data_ptr(), flat.stride(0), w.panels.data_ptr(), w.scales.data_ptr(),
                      w.comp.data_ptr(), None if b is None else b.data_ptr(), ACTIVATIONS[activation], y.data_ptr(),
-                     w.out_features, m, w.out_features, w.in_features, int(self.amx))
+                     w.out_features, m, w.out_features, w.in_features, int(self.amx), fuse)
+        del keep
         return y.view(*x.shape[:-1], w.out_features)
+
+    @staticmethod
+    def _fuse(norm: RowNorm | None, residual: GatedResidual | None, m: int, w: W8A8Weight
+              ) -> tuple[_Fuse | None, list[torch.Tensor]]:
+        """The W8A8Fuse for a call (None: nothing fused) and the tensors it points into (the
+        caller keeps them alive through the call)."""
+        if norm is None and residual is None:
+            return None, []
+        keep: list[torch.Tensor] = []
+
+        def vector(t: torch.Tensor, size: int, what: str) -> int:
+            if t.numel() != size:
+                raise ValueError(f"w8a8 linear: {what} has {t.numel()} values, not {size}")
+            keep.append(t.reshape(size).float().contiguous())
+            return keep[-1].data_ptr()
+
+        fuse = _Fuse()
+        if norm is not None:
+            fuse.norm_w = vector(norm.weight, w.in_features, "norm weight")
+            fuse.norm_b = vector(norm.bias, w.in_features, "norm bias")
+            fuse.eps = norm.eps
+        if residual is not None:
+            res = residual.res.reshape(-1, w.out_features)
+            if res.shape[0] != m:
+                raise ValueError(f"w8a8 linear: residual of {res.shape[0]} rows for {m}")
+            if res.stride(-1) != 1 or res.dtype != torch.float32:
+                res = res.float().contiguous()
+            keep.append(res)
+            fuse.res, fuse.ldr = res.data_ptr(), res.stride(0)
+            fuse.gate = vector(residual.gate, w.out_features, "gate")
+        return fuse, keep

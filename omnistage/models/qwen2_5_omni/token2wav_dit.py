@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.linear_w8a8 import W8A8Kernel, W8A8Weight, pack_w8a8
+from omnistage.kernels.linear_w8a8 import GatedResidual, RowNorm, W8A8Kernel, W8A8Weight, pack_w8a8
 from omnistage.kernels.window_attention import WindowAttentionKernel, unsupported_reason
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_available, pack_weight,
@@ -64,15 +64,21 @@ class DiTLinear(nn.Linear):
         return self.packed_call(x)
 
     def packed_call(self, x: torch.Tensor, post_op: str = "none", algorithm: str = "",
-                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None, norm: RowNorm | None = None,
+                    residual: GatedResidual | None = None) -> torch.Tensor:
         """The packed GEMM with `post_op` fused ("none", or "gelu" with algorithm "tanh"); the
-        result in out_dtype (x's)."""
-        if self.w8a8 is None:
-            y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm)
-        else:
-            y = self.w8a8_kernel(x, self.w8a8, self.packed_bias, "none" if post_op == "none"
-                                 else f"{post_op}_{algorithm}")
-        return y.to(out_dtype or x.dtype)
+        result in out_dtype (x's). norm: x's rows layer-normed first; residual: res + gate * y
+        after. The int8 product does both in its own passes (linear_w8a8.c), the others in
+        torch: the float32 result of these two steps equals that of the steps alone."""
+        if self.w8a8 is not None:
+            act = "none" if post_op == "none" else f"{post_op}_{algorithm}"
+            y = self.w8a8_kernel(x, self.w8a8, self.packed_bias, act, norm, residual)
+            return y.to(out_dtype or x.dtype)
+        dtype = out_dtype or x.dtype
+        if norm is not None:
+            x = apply_norm(x, norm)
+        y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm).to(dtype)
+        return y if residual is None else add_gated(residual, y)
 
 
 # ---------------------------------------------------------------- ECAPA-TDNN speaker encoder
@@ -271,22 +277,26 @@ class Attention(nn.Module):
             lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
         self.to_out[0].pack_for_onednn(dtype, w8a8)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, bs: int, back: int, ahead: int,
-                window: AttentionWindow) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RowNorm, gate: torch.Tensor, rope: torch.Tensor,
+                bs: int, back: int, ahead: int, window: AttentionWindow) -> torch.Tensor:
+        """x + gate * attention(LayerNorm(x) by `norm`)."""
         b, t, _ = x.shape
         nb, h, d = t // bs, self.heads, self.head_dim
-        out = self.to_out[0]
+        out, residual = self.to_out[0], GatedResidual(x, gate)
         if self.qkv is not None:
             # For the kernel, q|k|v stay in the GEMM's dtype and the kernel's output goes into
             # the output GEMM as it is: with bf16 GEMMs no float32 copy of either (the same
             # bits: the kernel widens exactly and rounds its output as .to(bfloat16) would).
             keep = self.qkv.packed_dtype if self.kernel is not None else None
-            qkv = self.qkv.packed_call(x, out_dtype=keep).view(b, t, 3, h, d)
+            qkv = self.qkv.packed_call(x, out_dtype=keep, norm=norm).view(b, t, 3, h, d)
         else:
-            qkv = torch.stack([self.to_q(x), self.to_k(x), self.to_v(x)], dim=2).view(b, t, 3, h, d)
+            xn = apply_norm(x, norm)
+            qkv = torch.stack([self.to_q(xn), self.to_k(xn), self.to_v(xn)], dim=2).view(b, t, 3, h, d)
         if self.kernel is not None and self.kernel.supports(qkv, back, ahead):
             o = self.kernel(qkv, window.lengths, back, ahead, d ** -0.5, rope)
-            return out.packed_call(o, out_dtype=x.dtype) if out.is_packed else out(o)
+            if out.is_packed:
+                return out.packed_call(o, out_dtype=x.dtype, residual=residual)
+            return add_gated(residual, out(o))
         qkv = qkv.to(x.dtype) if self.qkv is not None else qkv
         # The checkpoint was trained with RoPE on head 0 only, pairs (2i, 2i+1) interleaved:
         # q's and k's head 0 rotated in one go (the kernel rotates them as it reads them).
@@ -296,7 +306,7 @@ class Attention(nn.Module):
         kb, vb = (_key_windows(z.reshape(b, nb, bs, h, d).transpose(2, 3), back, ahead) for z in (k, v))
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=window.mask)   # (B*nb, H, bs, d)
         o = o.view(b, nb, h, bs, d).transpose(2, 3).reshape(b, t, h * d)
-        return out(o)
+        return add_gated(residual, out(o))
 
 
 def _rotate_head0(qkv: torch.Tensor, rope: torch.Tensor) -> None:
@@ -353,14 +363,16 @@ class FeedForward(nn.Module):
         # Keys "0" and "3" are the checkpoint's (Linear, GELU, Dropout, Linear) positions.
         self.ff = nn.ModuleDict({"0": DiTLinear(dim, dim * mult), "3": DiTLinear(dim * mult, dim)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RowNorm, gate: torch.Tensor) -> torch.Tensor:
+        """x + gate * feed_forward(LayerNorm(x) by `norm`)."""
         up, down = self.ff["0"], self.ff["3"]
+        residual = GatedResidual(x, gate)
         if up.is_packed and not torch.is_autocast_enabled(x.device.type):
             # GELU as the GEMM's post-op: one pass over the activations instead of two
             # (oneDNN's tanh-GELU; within ~1 ulp of F.gelu's); h stays in the GEMMs' dtype.
-            h = up.packed_call(x, "gelu", "tanh", out_dtype=up.packed_dtype)
-            return down.packed_call(h, out_dtype=x.dtype)
-        return down(F.gelu(up(x), approximate="tanh"))
+            h = up.packed_call(x, "gelu", "tanh", out_dtype=up.packed_dtype, norm=norm)
+            return down.packed_call(h, out_dtype=x.dtype, residual=residual)
+        return add_gated(residual, down(F.gelu(up(apply_norm(x, norm)), approximate="tanh")))
 
 
 class AdaNorm(nn.Module):
@@ -375,10 +387,21 @@ class AdaNorm(nn.Module):
         return list(self.linear(F.silu(temb)).chunk(self.parts, dim=-1))
 
 
-def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """LayerNorm(x) * (1 + scale) + shift as one fused op; scale, shift (1, D): all rows share t."""
+def modulation(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> RowNorm:
+    """LayerNorm(x) * (1 + scale) + shift as a LayerNorm's weight and bias; scale, shift (1, D):
+    all rows share t."""
     # (dtypes follow x: under bf16 autocast the modulation comes out of a linear in bf16)
-    return F.layer_norm(x, x.shape[-1:], (1 + scale[0]).to(x.dtype), shift[0].to(x.dtype), eps=1e-6)
+    return RowNorm((1 + scale[0]).to(x.dtype), shift[0].to(x.dtype), 1e-6)
+
+
+def apply_norm(x: torch.Tensor, norm: RowNorm) -> torch.Tensor:
+    """The modulated LayerNorm as one fused op."""
+    return F.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, eps=norm.eps)
+
+
+def add_gated(residual: GatedResidual, y: torch.Tensor) -> torch.Tensor:
+    """res + gate * y in one pass; gate (1, D) broadcast over the rows."""
+    return torch.addcmul(residual.res, residual.gate.view(-1), y)
 
 
 class DiTBlock(nn.Module):
@@ -393,9 +416,8 @@ class DiTBlock(nn.Module):
                 bs: int, window: AttentionWindow) -> torch.Tensor:
         """mods: this block's attn_norm(temb), six (1, D) modulation vectors."""
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mods
-        a = self.attn(modulate(x, scale_a, shift_a), rope, bs, self.back, self.ahead, window)
-        x = torch.addcmul(x, gate_a[:, None], a)             # x + gate * a in one pass
-        return torch.addcmul(x, gate_f[:, None], self.ff(modulate(x, scale_f, shift_f)))
+        x = self.attn(x, modulation(x, scale_a, shift_a), gate_a, rope, bs, self.back, self.ahead, window)
+        return self.ff(x, modulation(x, scale_f, shift_f), gate_f)
 
 
 @dataclass
@@ -467,7 +489,7 @@ class DiTModel(nn.Module):
             h = self.input_embed.mel_terms(x) + static
             for block, m in zip(self.transformer_blocks, mods):
                 h = block(h, m, rope, self.block_size, windows[(block.back, block.ahead)])
-            return self.proj_out(modulate(h, scale, shift)).to(x.dtype)
+            return self.proj_out(apply_norm(h, modulation(h, scale, shift))).to(x.dtype)
 
     def time_terms(self, t: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         """Every block's modulation vectors and the output norm's (scale, shift) at time t.
