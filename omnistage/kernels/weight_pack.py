@@ -9,9 +9,9 @@ Quantization of the weights is symmetric:
 - int4: per group of `group_size` inputs, scale = -(the signed weight of largest magnitude) / 8
   (as GGUF's q4_0), q = round(w / scale) in -8..7, stored as q + 8 in a nibble;
 - int8g: per group, scale = max |w| / 127, q = round(w / scale) (as GGUF's q8_0).
-Activations stay float32, or (`int8_activations`, where the inputs and groups are multiples of
-32) are rounded to int8 per block of 32 inputs when the call comes (`int4_activations`,
-`int8_activations`): the int4k / int8k layouts.
+Activations stay float32, or (WeightFormat's `int4_activations` / `int8_activations`, where
+the inputs and groups are multiples of 32) are rounded to int8 per block of 32 inputs when the
+call comes: the int4k / int8k layouts.
 """
 
 from __future__ import annotations
