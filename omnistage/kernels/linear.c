@@ -420,24 +420,15 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v64u __attribute__((vector_size(64)));
 typedef float v16f __attribute__((vector_size(64)));
 
-/* acc + (per 32-bit lane: sum of 4 products of u's bytes (0..15) with x4's bytes (signed)). */
+/* acc + (per 32-bit lane: sum of 4 products of u's bytes with x4's bytes (signed)); u's bytes
+ * 0..15 on AVX-512BW (pairs within int16), any on VNNI and plain C. */
 static inline v16i dot4(v16i acc, v64u u, int32_t x4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
     return (v16i)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, _mm512_set1_epi32(x4));
 #elif defined(__AVX512BW__) && !defined(OMNISTAGE_NO_AVX512)
     const __m512i pairs = _mm512_maddubs_epi16((__m512i)u, _mm512_set1_epi32(x4));  /* <= 2*15*127 */
     return acc + (v16i)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-#elif defined(__AVX2__)
-    __m256i h[2], a[2];
-    memcpy(h, &u, sizeof h);
-    memcpy(a, &acc, sizeof a);
-    for (int i = 0; i < 2; i++) {
-        const __m256i pairs = _mm256_maddubs_epi16(h[i], _mm256_set1_epi32(x4));
-        a[i] = _mm256_add_epi32(a[i], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    }
-    memcpy(&acc, a, sizeof acc);
-    return acc;
-#else
+#else                   /* (AVX2 without AVX-512BW takes i4k_block_avx2 instead) */
     int8_t xb[4];
     memcpy(xb, &x4, 4);
     for (int l = 0; l < 16; l++)
@@ -446,10 +437,11 @@ static inline v16i dot4(v16i acc, v64u u, int32_t x4) {
 #endif
 }
 
-/* One block of 32 inputs -> q, its scale and the sum of q. The vector path computes the same
- * expressions lane by lane (an IEEE division, round to nearest even, the same clamp), so the
- * same bytes as the plain loop; it is ~10x faster, which single rows notice (a decode step
- * quantizes every layer's inputs: ~40k values for a 12-layer model of width 512). */
+/* One block of 32 inputs -> q, its scale and the sum of q. The vector paths (AVX-512, AVX2)
+ * compute the same expressions lane by lane (an IEEE division, round to nearest even, the same
+ * clamp; max and integer sums in any order are the same), so the same bytes as the plain loop;
+ * they are ~10x faster, which single rows notice (a decode step quantizes every layer's inputs:
+ * ~40k values for a 12-layer model of width 512). */
 static inline void quantize_block(const float *restrict src, int8_t *restrict q, float *s,
                                   int32_t *sum) {
 #if LANES == 16 && defined(__AVX512F__)
@@ -471,6 +463,37 @@ static inline void quantize_block(const float *restrict src, int8_t *restrict q,
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
     *s = scale;
     *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#elif defined(__AVX2__)
+    __m256 v[4], m = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(src + 8 * j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[j], magnitude));
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+    const float scale = amax / 127.0f;
+    if (!(scale > 0.0f)) {
+        memset(q, 0, KB);
+        *s = scale;
+        *sum = 0;
+        return;
+    }
+    const __m256 sc = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    __m256i total = _mm256_setzero_si256();
+    int32_t codes[KB];
+    for (int j = 0; j < 4; j++) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(v[j], sc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i c = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        _mm256_storeu_si256((__m256i *)(codes + 8 * j), c);
+        total = _mm256_add_epi32(total, c);
+    }
+    for (int i = 0; i < KB; i++) q[i] = (int8_t)codes[i];
+    int32_t parts[8];
+    _mm256_storeu_si256((__m256i *)parts, total);
+    *s = scale;
+    *sum = parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6] + parts[7];
 #else
     float amax = 0.0f;
     for (int i = 0; i < KB; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
@@ -496,91 +519,6 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int
         for (int64_t b = 0; b < nb; b++)
             quantize_block(x + r * ldx + b * KB, q + r * k + b * KB, s + r * nb + b, sums + r * nb + b);
 }
-
-/* One row (its quantized q, scales s, sums) against one panel: 64 outputs into out. */
-static void panel_i4k(const int8_t *restrict q, const float *restrict s,
-                      const int32_t *restrict sums, int64_t k, int64_t group,
-                      const uint8_t *restrict p, const float *restrict gs, float *restrict out) {
-    const int64_t nb = k / KB, per_group = group / KB;
-    v16f y[4] = {};
-    for (int64_t b0 = 0, g = 0; b0 < nb; b0 += per_group, g++) {
-        v16f acc[4] = {};
-        const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
-        for (int64_t b = b0; b < b1; b++) {
-            v16i isum[4] = {};
-            for (int c = 0; c < KB / 8; c++) {
-                const uint8_t *w = p + (b * (KB / 8) + c) * 256;
-                int32_t lo4, hi4;
-                memcpy(&lo4, q + b * KB + 8 * c, 4);
-                memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
-                for (int v = 0; v < 4; v++) {
-                    v64u u;
-                    memcpy(&u, w + 64 * v, sizeof u);
-                    isum[v] = dot4(isum[v], u & 15, lo4);
-                    isum[v] = dot4(isum[v], u >> 4, hi4);
-                }
-            }
-            const v16f sb = (v16f){} + s[b];
-            const int32_t corr = 8 * sums[b];
-            for (int v = 0; v < 4; v++)
-                acc[v] = sb * __builtin_convertvector(isum[v] - corr, v16f) + acc[v];
-        }
-        for (int v = 0; v < 4; v++) {
-            v16f ws;
-            memcpy(&ws, gs + g * PANEL + 16 * v, sizeof ws);
-            y[v] = ws * acc[v] + y[v];
-        }
-    }
-    memcpy(out, y, sizeof y);
-}
-
-#if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
-/* panel_i4k for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
- * above are pairs of registers on AVX2, and their 4 x 3 arrays (96 registers' worth) lived on
- * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the
- * float sums, touched once a block, live in L1. The same integers (exact) and the same FMAs in
- * the same order as panel_i4k, so the same bits. */
-#define PANEL_I4K panel_i4k_avx2
-#define I4K_H(h) { const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * (h))); \
-    const __m256i pr = _mm256_add_epi16( /* each <= 2 * 15 * 127: the int16 sum is exact */ \
-        _mm256_maddubs_epi16(_mm256_and_si256(u, mask), xl), \
-        _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u, 4), mask), xh)); \
-    i##h = _mm256_add_epi32(i##h, _mm256_madd_epi16(pr, ones)); }
-#define I4K_ACC(h) _mm256_storeu_ps(acc + 8 * (h), _mm256_fmadd_ps(sb, \
-    _mm256_cvtepi32_ps(_mm256_sub_epi32(i##h, corr)), _mm256_loadu_ps(acc + 8 * (h))));
-static void panel_i4k_avx2(const int8_t *restrict q, const float *restrict s,
-                           const int32_t *restrict sums, int64_t k, int64_t group,
-                           const uint8_t *restrict p, const float *restrict gs, float *restrict out) {
-    const int64_t nb = k / KB, per_group = group / KB;
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    float y[PANEL] = {0}, acc[PANEL];
-    for (int64_t b0 = 0, g = 0; b0 < nb; b0 += per_group, g++) {
-        memset(acc, 0, sizeof acc);
-        const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
-        for (int64_t b = b0; b < b1; b++) {
-            __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0, i4 = i0, i5 = i0,
-                    i6 = i0, i7 = i0;
-            for (int c = 0; c < KB / 8; c++) {
-                const uint8_t *w = p + (b * (KB / 8) + c) * 256;
-                int32_t lo4, hi4;
-                memcpy(&lo4, q + b * KB + 8 * c, 4);
-                memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
-                const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
-                I4K_H(0) I4K_H(1) I4K_H(2) I4K_H(3) I4K_H(4) I4K_H(5) I4K_H(6) I4K_H(7)
-            }
-            const __m256 sb = _mm256_set1_ps(s[b]);
-            const __m256i corr = _mm256_set1_epi32(8 * sums[b]);
-            I4K_ACC(0) I4K_ACC(1) I4K_ACC(2) I4K_ACC(3) I4K_ACC(4) I4K_ACC(5) I4K_ACC(6) I4K_ACC(7)
-        }
-        for (int c = 0; c < PANEL; c += 8)
-            _mm256_storeu_ps(y + c, _mm256_fmadd_ps(_mm256_loadu_ps(gs + g * PANEL + c),
-                                                    _mm256_loadu_ps(acc + c), _mm256_loadu_ps(y + c)));
-    }
-    memcpy(out, y, sizeof y);
-}
-#else
-#define PANEL_I4K panel_i4k
-#endif
 
 /* ---- i8k: int8 weights against int8 activations, integer dot products ------------------- *
  * The same numerics for int8 weights (per column, `i8`, as one group of all K inputs; or per
@@ -620,10 +558,48 @@ static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) {
 }
 #endif
 
-/* One row (its quantized q, scales s, sums) against one i8k panel: 64 outputs into out. */
-static void panel_i8k(const int8_t *restrict q, const float *restrict s,
-                      const int32_t *restrict sums, int64_t k, int64_t group,
-                      const uint8_t *restrict p, const float *restrict gs, float *restrict out) {
+/* ---- panels: the integer sums of a block of 32 inputs, then the float steps ------------- */
+
+/* isum[v] (columns 16v .. 16v+15) = the integer sums of block b of the row q against an i4k
+ * panel (u x q per input: biased by 8 sum q) or an i8k panel (biased by I8K_BIAS sum q). */
+static inline void i4k_block(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
+                             v16i isum[4]) {
+    for (int c = 0; c < KB / 8; c++) {
+        const uint8_t *w = p + (b * (KB / 8) + c) * 256;
+        int32_t lo4, hi4;
+        memcpy(&lo4, q + b * KB + 8 * c, 4);
+        memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
+        for (int v = 0; v < 4; v++) {
+            v64u u;
+            memcpy(&u, w + 64 * v, sizeof u);
+            isum[v] = dot4(isum[v], u & 15, lo4);
+            isum[v] = dot4(isum[v], u >> 4, hi4);
+        }
+    }
+}
+
+static inline void i8k_block(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
+                             v16i isum[4]) {
+    for (int c = 0; c < KB / 4; c++) {
+        const uint8_t *w = p + (b * (KB / 4) + c) * 256;
+        int32_t x4;
+        memcpy(&x4, q + b * KB + 4 * c, 4);
+        for (int v = 0; v < 4; v++) {
+            v64u u;
+            memcpy(&u, w + 64 * v, sizeof u);
+            isum[v] = dot4_i8(isum[v], u, x4);
+        }
+    }
+}
+
+/* One row (its quantized q, scales s, sums) against one panel: 64 outputs into out, per block
+ * acc += s_b * (isum - bias * sum q), per group y += ws * acc. Inlined into each format's
+ * panel function with its block function (a constant: no indirect calls remain). */
+typedef void (*block_fn)(const int8_t *, const uint8_t *, int64_t, v16i[4]);
+static inline __attribute__((always_inline)) void panel_qk(
+        block_fn block, int32_t bias, const int8_t *restrict q, const float *restrict s,
+        const int32_t *restrict sums, int64_t k, int64_t group, const uint8_t *restrict p,
+        const float *restrict gs, float *restrict out) {
     const int64_t nb = k / KB, per_group = group / KB;
     v16f y[4] = {};
     for (int64_t b0 = 0, g = 0; b0 < nb; b0 += per_group, g++) {
@@ -631,18 +607,9 @@ static void panel_i8k(const int8_t *restrict q, const float *restrict s,
         const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
         for (int64_t b = b0; b < b1; b++) {
             v16i isum[4] = {};
-            for (int c = 0; c < KB / 4; c++) {
-                const uint8_t *w = p + (b * (KB / 4) + c) * 256;
-                int32_t x4;
-                memcpy(&x4, q + b * KB + 4 * c, 4);
-                for (int v = 0; v < 4; v++) {
-                    v64u u;
-                    memcpy(&u, w + 64 * v, sizeof u);
-                    isum[v] = dot4_i8(isum[v], u, x4);
-                }
-            }
+            block(q, p, b, isum);
             const v16f sb = (v16f){} + s[b];
-            const int32_t corr = I8K_BIAS * sums[b];
+            const int32_t corr = bias * sums[b];
             for (int v = 0; v < 4; v++)
                 acc[v] = sb * __builtin_convertvector(isum[v] - corr, v16f) + acc[v];
         }
@@ -655,37 +622,70 @@ static void panel_i8k(const int8_t *restrict q, const float *restrict s,
     memcpy(out, y, sizeof y);
 }
 
+#define PANEL_ARGS const int8_t *restrict q, const float *restrict s, \
+    const int32_t *restrict sums, int64_t k, int64_t group, const uint8_t *restrict p, \
+    const float *restrict gs, float *restrict out
+
 #if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
-/* panel_i8k for AVX2, in 8-lane registers (as panel_i4k_avx2): w q by the sign trick (|w| times
- * q with w's sign, pairs within int16), the same integers and FMAs as panel_i8k. */
-#define PANEL_I8K panel_i8k_avx2
-#define I8K_H(h) { const __m256i w = _mm256_xor_si256( \
-        _mm256_loadu_si256((const __m256i *)(wp + 32 * (h))), flip); \
-    const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); \
-    i##h = _mm256_add_epi32(i##h, _mm256_madd_epi16(pr, ones)); }
-static void panel_i8k_avx2(const int8_t *restrict q, const float *restrict s,
-                           const int32_t *restrict sums, int64_t k, int64_t group,
-                           const uint8_t *restrict p, const float *restrict gs, float *restrict out) {
-    (void)sums;
-    const int64_t nb = k / KB, per_group = group / KB;
+/* The panels for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
+ * above are pairs of registers on AVX2, and their 4 x 3 arrays (96 registers' worth) lived on
+ * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the
+ * float sums, touched once a block, live in L1. The same integers (exact) and the same FMAs in
+ * the same order as panel_qk, so the same bits. i4k: two nibbles' maddubs per byte vector
+ * (each pair <= 2 * 15 * 127: the int16 sum is exact); i8k: w q by the sign trick (|w| times
+ * q with w's sign, pairs within int16), unbiased. */
+static inline void i4k_block_avx2(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
+                                  __m256i i[8]) {
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < KB / 8; c++) {
+        const uint8_t *w = p + (b * (KB / 8) + c) * 256;
+        int32_t lo4, hi4;
+        memcpy(&lo4, q + b * KB + 8 * c, 4);
+        memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
+        const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+        for (int h = 0; h < 8; h++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+            const __m256i pr = _mm256_add_epi16(
+                _mm256_maddubs_epi16(_mm256_and_si256(u, mask), xl),
+                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u, 4), mask), xh));
+            i[h] = _mm256_add_epi32(i[h], _mm256_madd_epi16(pr, ones));
+        }
+    }
+}
+
+static inline void i8k_block_avx2(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
+                                  __m256i i[8]) {
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const __m256i corr = _mm256_setzero_si256();
+    for (int c = 0; c < KB / 4; c++) {
+        const uint8_t *wp = p + (b * (KB / 4) + c) * 256;
+        int32_t x4;
+        memcpy(&x4, q + b * KB + 4 * c, 4);
+        const __m256i x = _mm256_set1_epi32(x4);
+        for (int h = 0; h < 8; h++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32 * h)), flip);
+            const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+            i[h] = _mm256_add_epi32(i[h], _mm256_madd_epi16(pr, ones));
+        }
+    }
+}
+
+typedef void (*block8_fn)(const int8_t *, const uint8_t *, int64_t, __m256i[8]);
+static inline __attribute__((always_inline)) void panel_qk_avx2(block8_fn block, int32_t bias,
+                                                                PANEL_ARGS) {
+    const int64_t nb = k / KB, per_group = group / KB;
     float y[PANEL] = {0}, acc[PANEL];
     for (int64_t b0 = 0, g = 0; b0 < nb; b0 += per_group, g++) {
         memset(acc, 0, sizeof acc);
         const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
         for (int64_t b = b0; b < b1; b++) {
-            __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0, i4 = i0, i5 = i0,
-                    i6 = i0, i7 = i0;
-            for (int c = 0; c < KB / 4; c++) {
-                const uint8_t *wp = p + (b * (KB / 4) + c) * 256;
-                int32_t x4;
-                memcpy(&x4, q + b * KB + 4 * c, 4);
-                const __m256i x = _mm256_set1_epi32(x4);
-                I8K_H(0) I8K_H(1) I8K_H(2) I8K_H(3) I8K_H(4) I8K_H(5) I8K_H(6) I8K_H(7)
-            }
+            __m256i i[8];
+            for (int h = 0; h < 8; h++) i[h] = _mm256_setzero_si256();
+            block(q, p, b, i);
             const __m256 sb = _mm256_set1_ps(s[b]);
-            I4K_ACC(0) I4K_ACC(1) I4K_ACC(2) I4K_ACC(3) I4K_ACC(4) I4K_ACC(5) I4K_ACC(6) I4K_ACC(7)
+            const __m256i corr = _mm256_set1_epi32(bias * sums[b]);
+            for (int h = 0; h < 8; h++)
+                _mm256_storeu_ps(acc + 8 * h, _mm256_fmadd_ps(sb, _mm256_cvtepi32_ps(
+                    _mm256_sub_epi32(i[h], corr)), _mm256_loadu_ps(acc + 8 * h)));
         }
         for (int c = 0; c < PANEL; c += 8)
             _mm256_storeu_ps(y + c, _mm256_fmadd_ps(_mm256_loadu_ps(gs + g * PANEL + c),
@@ -693,8 +693,12 @@ static void panel_i8k_avx2(const int8_t *restrict q, const float *restrict s,
     }
     memcpy(out, y, sizeof y);
 }
+
+static void panel_i4k(PANEL_ARGS) { panel_qk_avx2(i4k_block_avx2, 8, q, s, sums, k, group, p, gs, out); }
+static void panel_i8k(PANEL_ARGS) { panel_qk_avx2(i8k_block_avx2, 0, q, s, sums, k, group, p, gs, out); }
 #else
-#define PANEL_I8K panel_i8k
+static void panel_i4k(PANEL_ARGS) { panel_qk(i4k_block, 8, q, s, sums, k, group, p, gs, out); }
+static void panel_i8k(PANEL_ARGS) { panel_qk(i8k_block, I8K_BIAS, q, s, sums, k, group, p, gs, out); }
 #endif
 
 /* ---- the entries of i4k and i8k ---------------------------------------------------------- */
@@ -754,12 +758,12 @@ void linear_i4k(const float *x, int64_t ldx, const uint8_t *panels, const float 
                 int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy,
                 int64_t m, int64_t n, int64_t k) {
     (void)cscales;
-    linear_qk(PANEL_I4K, k / 2 * PANEL, x, ldx, panels, gscales, group, bias, y, ldy, m, n, k);
+    linear_qk(panel_i4k, k / 2 * PANEL, x, ldx, panels, gscales, group, bias, y, ldy, m, n, k);
 }
 
 void linear_i8k(const float *x, int64_t ldx, const uint8_t *panels, const float *gscales,
                 int64_t group, const float *cscales, const float *bias, float *y, int64_t ldy,
                 int64_t m, int64_t n, int64_t k) {
     (void)cscales;
-    linear_qk(PANEL_I8K, k * PANEL, x, ldx, panels, gscales, group, bias, y, ldy, m, n, k);
+    linear_qk(panel_i8k, k * PANEL, x, ldx, panels, gscales, group, bias, y, ldy, m, n, k);
 }
