@@ -534,10 +534,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int
  * AVX2) the products are w q straight (|w|, |q| <= 127: a pair of them fits int16): the same
  * integers, so the same bits on every path. */
 
-#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
-#define I8K_BIAS 128                /* isum holds sum (w + 128) q */
-static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) { return dot4(acc, u, x4); }
-#elif defined(__AVX512BW__) && !defined(OMNISTAGE_NO_AVX512)
+#if defined(__AVX512BW__) && !defined(__AVX512VNNI__) && !defined(OMNISTAGE_NO_AVX512)
 #define I8K_BIAS 0
 /* w q per byte as |w| (unsigned) times q with w's sign: maddubs's pairs stay within int16. */
 static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) {
@@ -547,15 +544,9 @@ static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) {
     const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(w), xs);
     return acc + (v16i)_mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
 }
-#else
+#else                               /* VNNI, plain C: dot4 sums (w + 128) q exactly */
 #define I8K_BIAS 128
-static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) {
-    int8_t xb[4];
-    memcpy(xb, &x4, 4);
-    for (int l = 0; l < 16; l++)
-        for (int i = 0; i < 4; i++) acc[l] += (int32_t)u[4 * l + i] * xb[i];
-    return acc;
-}
+static inline v16i dot4_i8(v16i acc, v64u u, int32_t x4) { return dot4(acc, u, x4); }
 #endif
 
 /* ---- panels: the integer sums of a block of 32 inputs, then the float steps ------------- */
