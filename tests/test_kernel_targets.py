@@ -28,6 +28,7 @@ TARGETS = {
 ATTENTION = ("-DHEAD_DIM=64", "-DGROUP=4", "-DBLOCK=16")
 SOURCES = {
     "linear.c": [()],
+    "linear_dots.c": [()],
     "linear_w8a8.c": [()],
     "paged_attention.c": [ATTENTION, (*ATTENTION, "-DKV_BF16=1")],
     "decoder_stack.c": [()],

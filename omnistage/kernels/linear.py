@@ -14,9 +14,10 @@ from omnistage.kernels.build import build_library, narrow_vectors, pick_native, 
 from omnistage.kernels.weight_pack import PackedWeight, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear.c")
+DOTS_SOURCE = Path(__file__).with_name("linear_dots.c")     # int4k / int8k: integer dot products
 _SYMBOLS = {"float32": "linear_f32", "bfloat16": "linear_bf16", "int8": "linear_i8",
-            "int4": "linear_i4", "int8g": "linear_i8g", "int4k": "linear_i4k",
-            "int8k": "linear_i8k"}
+            "int4": "linear_i4", "int8g": "linear_i8g"}
+_DOT_SYMBOLS = {"int4k": "linear_i4k", "int8k": "linear_i8k"}
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -47,16 +48,18 @@ class NativeLinearKernel:
         defines, flags = ({}, ()) if wide_vectors else narrow_vectors()
         flags = flags if vnni else (*flags, *without_vnni())
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
+        dots = ctypes.CDLL(str(build_library(DOTS_SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.segmented = lib.linear_segments
         self.segmented.argtypes = [ctypes.POINTER(LinearCall), p, i64, p, p]
         self.segmented.restype = None
         self._fns = {}
-        for fmt, name in _SYMBOLS.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64]
-            fn.restype = None
-            self._fns[fmt] = fn
+        for library, symbols in ((lib, _SYMBOLS), (dots, _DOT_SYMBOLS)):
+            for fmt, name in symbols.items():
+                fn = getattr(library, name)
+                fn.argtypes = [p, i64, p, p, i64, p, p, p, i64, i64, i64, i64]
+                fn.restype = None
+                self._fns[fmt] = fn
 
     def segments(self, weights: list[PackedWeight], biases: list[torch.Tensor | None]) -> LinearSegments:
         """The weights bound for segmented calls (LinearSegments)."""

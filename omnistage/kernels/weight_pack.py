@@ -23,7 +23,7 @@ import torch
 PANEL = 64                    # output columns per panel (linear.c)
 FORMATS = ("float32", "bfloat16", "int8", "int4", "int8g")
 GROUPED = ("int4", "int8g")   # formats with one scale per group of inputs
-ACTIVATION_BLOCK = 32         # int4k, int8k: inputs per activation scale (linear.c's KB)
+ACTIVATION_BLOCK = 32         # int4k, int8k: inputs per activation scale (linear_dots.c's KB)
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class WeightFormat:
     """How linear weights are stored: one of FORMATS; int4 in groups of `group_size` inputs.
     `int4_activations` / `int8_activations`: what int4 / int8 and int8g weights multiply where
     their inputs and groups are multiples of 32: "int8", laid out for integer dot products
-    against int8-rounded activations (`int4k` / `int8k`, linear.c: llama.cpp's q4_0 x q8_0 /
+    against int8-rounded activations (`int4k` / `int8k`, linear_dots.c: llama.cpp's q4_0 x q8_0 /
     q8_0 x q8_0 numerics, up to ~2x the speed), or "float32" (exact)."""
 
     name: str = "float32"
@@ -138,7 +138,7 @@ class PackedWeight:
     pairs: _pair_columns), or uint8 (num_panels, in, 32) for int4, or uint8 (num_panels, in / 8,
     64, 4) for int4k, or uint8 (num_panels, in / 4, 64, 4) for int8k (int4 / int8 whose inputs
     and groups are multiples of 32, laid out for integer dot products against int8
-    activations: linear.c; int8k bytes hold q + 128); column_scales: float32 (num_panels * 64,)
+    activations: linear_dots.c; int8k bytes hold q + 128); column_scales: float32 (num_panels * 64,)
     for int8; group_scales: float32 (num_panels, ceil(in / group_size), 64) for int4, int4k,
     int8g and int8k (an int8 weight's column scales as one group of all inputs). Zero past
     out_features."""
