@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.kernels.linear_w8a8 import GatedResidual, RowNorm
 from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel, unsupported_reason
 from omnistage.layers.onednn import onednn_bf16_available
 from omnistage.models.qwen2_5_omni.token2wav_dit import (Attention, AttentionWindow, BatchLayout,
-                                                         _rotate_head0, window_mask)
+                                                         _rotate_head0, add_gated, apply_norm,
+                                                         window_mask)
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +104,15 @@ def test_bf16_gemms_feed_the_kernel_without_float32_copies(kernels):
     attn.kernel = kernel = kernel_for(kernels, head_dim, block)
     lengths = torch.tensor([40, 23])
     window = AttentionWindow(None, lengths)
-    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 40, 64, generator=g)
+    norm, gate = RowNorm(torch.randn(64, generator=g), torch.randn(64, generator=g), 1e-6), torch.randn(1, 64, generator=g)
     rope = angles(2, 40, head_dim, seed=6)
     with torch.no_grad():
-        got = attn(x, rope, block, 1, 1, window)
-        qkv = attn.qkv.packed_call(x).view(2, 40, 3, heads, head_dim)           # float32 copy
-        want = attn.to_out[0].packed_call(kernel(qkv, lengths, 1, 1, head_dim ** -0.5, rope))
+        got = attn(x, norm, gate, rope, block, 1, 1, window)
+        qkv = attn.qkv.packed_call(apply_norm(x, norm)).view(2, 40, 3, heads, head_dim)   # float32 copy
+        a = attn.to_out[0].packed_call(kernel(qkv, lengths, 1, 1, head_dim ** -0.5, rope))
+        want = add_gated(GatedResidual(x, gate), a)
     assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
@@ -125,12 +130,14 @@ def test_equals_the_torch_path_padding_rows_too(kernels, back, ahead):
     lengths = [40, 23, 8]
     layout = BatchLayout(lengths, [0, 16, 8], 40)
     window = AttentionWindow(window_mask(layout, block, back, ahead, torch.device("cpu")), torch.tensor(lengths))
-    x = torch.randn(3, 40, 32, generator=torch.Generator().manual_seed(back + 2 * ahead)) * 3
+    g = torch.Generator().manual_seed(back + 2 * ahead)
+    x = torch.randn(3, 40, 32, generator=g) * 3
+    norm, gate = RowNorm(torch.randn(32, generator=g), torch.randn(32, generator=g), 1e-6), torch.randn(1, 32, generator=g)
     rope = torch.polar(torch.ones(3, 40, 1, head_dim // 2), torch.rand(3, 40, 1, head_dim // 2) * 6)
     with torch.no_grad():
-        want = attn(x, rope, block, back, ahead, window)
+        want = attn(x, norm, gate, rope, block, back, ahead, window)
         attn.kernel = kernel_for(kernels, head_dim, block)
-        got = attn(x, rope, block, back, ahead, window)
+        got = attn(x, norm, gate, rope, block, back, ahead, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
