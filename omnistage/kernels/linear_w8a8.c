@@ -280,26 +280,20 @@ static void vnni_add(const uint8_t *u, int64_t kp, const int8_t *p, int64_t g0, 
 }
 #endif
 
-/* The rows' epilogue: the residual and gate of W8A8Fuse (res NULL: none), for one panel's
- * columns (pointers at its first column, row r0's row). */
-typedef struct {
-    const float *res, *gate;
-    int64_t ldr;
-} Residual;
-
 /* y = act(isum - comp) * (sx * sw) + bias for `rows` rows of one panel's `cols` columns, then
- * y = res + gate * y where there is a residual. */
+ * y = res + gate * y where fuse has a residual. y points at row r0, column n0 of the output. */
 static void finish_rows(int32_t isum[][PANEL], int rows, const float *sx, const float *ws,
-                        const int32_t *wc, const float *bias, int32_t act, Residual rs, float *y,
-                        int64_t ldy, int64_t cols) {
+                        const int32_t *wc, const float *bias, int32_t act, const W8A8Fuse *fuse,
+                        int64_t r0, int64_t n0, float *y, int64_t ldy, int64_t cols) {
+    const int residual = fuse != NULL && fuse->res != NULL;
     for (int i = 0; i < rows; i++) {
         float *dst = y + i * ldy;
         for (int64_t c = 0; c < cols; c++)
             dst[c] = fmaf((float)(isum[i][c] - wc[c]), sx[i] * ws[c], bias != NULL ? bias[c] : 0.0f);
         if (act == 1) gelu_tanh(dst, cols);
-        if (rs.res != NULL) {
-            const float *res = rs.res + i * rs.ldr;
-            for (int64_t c = 0; c < cols; c++) dst[c] = fmaf(rs.gate[c], dst[c], res[c]);
+        if (residual) {
+            const float *res = fuse->res + (r0 + i) * fuse->ldr + n0, *gate = fuse->gate + n0;
+            for (int64_t c = 0; c < cols; c++) dst[c] = fmaf(gate[c], dst[c], res[c]);
         }
     }
 }
@@ -307,8 +301,8 @@ static void finish_rows(int32_t isum[][PANEL], int rows, const float *sx, const 
 /* Rows [r0, r1) of y for panel j: tiles of MR rows (VNNI or plain C) or AMX_ROWS (AMX). */
 static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const int8_t *p,
                           int64_t k4, const float *ws, const int32_t *wc, const float *bias,
-                          int32_t act, Residual rs, float *y, int64_t ldy, int64_t r0, int64_t r1,
-                          int64_t cols, int amx) {
+                          int32_t act, const W8A8Fuse *fuse, int64_t n0, float *y, int64_t ldy,
+                          int64_t r0, int64_t r1, int64_t cols, int amx) {
     int32_t isum[AMX_ROWS][PANEL];
     const int step = amx ? AMX_ROWS : MR;
     for (int64_t r = r0; r < r1; r += step) {
@@ -325,9 +319,7 @@ static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const i
             for (int i = 0; i < MR; i++) tile_rows[i] = u + (r + i < r1 ? r + i : r1 - 1) * kp;
             tile_sums(tile_rows, p, k4, isum);
         }
-        Residual here = rs;
-        if (rs.res != NULL) here.res = rs.res + r * rs.ldr;
-        finish_rows(isum, rows, sx + r, ws, wc, bias, act, here, y + r * ldy, ldy, cols);
+        finish_rows(isum, rows, sx + r, ws, wc, bias, act, fuse, r, n0, y + r * ldy, ldy, cols);
     }
 }
 
@@ -381,8 +373,6 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
         return;
     }
     memset(u + m * kp, 128, (size_t)((rows_held - m) * kp));     /* padding rows: qx = 0 */
-    const Residual rs = {fuse != NULL ? fuse->res : NULL, fuse != NULL ? fuse->gate : NULL,
-                         fuse != NULL ? fuse->ldr : 0};
     #pragma omp parallel
     {
 #ifdef W8A8_AMX
@@ -392,10 +382,8 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     for (int64_t item = 0; item < blocks * num_panels; item++) {
         const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
         const int64_t r1 = (b + 1) * row_block < m ? (b + 1) * row_block : m;
-        const Residual here = {rs.res != NULL ? rs.res + n0 : NULL, rs.res != NULL ? rs.gate + n0 : NULL,
-                               rs.ldr};
         rows_of_panel(u, kp, sx, panels + j * k4 * 256, k4, sw + j * PANEL, comp + j * PANEL,
-                      bias != NULL ? bias + n0 : NULL, act, here, y + n0, ldy, b * row_block, r1,
+                      bias != NULL ? bias + n0 : NULL, act, fuse, n0, y + n0, ldy, b * row_block, r1,
                       n - n0 < PANEL ? n - n0 : PANEL, amx);
     }
 #ifdef W8A8_AMX
