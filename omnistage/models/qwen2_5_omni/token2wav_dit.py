@@ -68,8 +68,8 @@ class DiTLinear(nn.Linear):
                     residual: GatedResidual | None = None) -> torch.Tensor:
         """The packed GEMM with `post_op` fused ("none", or "gelu" with algorithm "tanh"); the
         result in out_dtype (x's). norm: x's rows layer-normed first; residual: res + gate * y
-        after. The int8 product does both in its own passes (linear_w8a8.c), the others in
-        torch: the float32 result of these two steps equals that of the steps alone."""
+        after. The int8 product does both in its own passes (linear_w8a8.c); the other paths
+        run them in torch around the GEMM (apply_norm, add_gated), as the block did before."""
         if self.w8a8 is not None:
             act = "none" if post_op == "none" else f"{post_op}_{algorithm}"
             y = self.w8a8_kernel(x, self.w8a8, self.packed_bias, act, norm, residual)
