@@ -2,6 +2,7 @@
 
     python -m benchmarks.cpu_peers                       # 3 pairs, 2 threads, the small Qwen2
     python -m benchmarks.cpu_peers --pairs 5 --parallel 1,8,32,64 --peer-dir /tmp/peers
+    python -m benchmarks.cpu_peers --isa avx2     # both engines held to AVX2 + FMA (a proxy)
 
 The peer is built here, in its own folder (`--peer-dir`, default `<omnistage cache>/peers`;
 never a CI step): llama.cpp from the llama-cpp-python 0.3.36 sdist (downloaded with pip),
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -74,9 +76,19 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: float = 3600) -> str:
 
 
 # ---- the peer ----------------------------------------------------------------------------------
-def build_llama_cpp(folder: Path) -> Path:
-    """llama.cpp's source tree from the sdist, built in `folder` (steps already done are
-    skipped); returns the source tree (binaries under build/bin)."""
+# --isa: (llama.cpp's cmake options, the environment our side runs in). avx2: what a CPU without
+# AVX-512 (Zen 1-3, Haswell .. Comet Lake) runs, on this one: llama.cpp's generic x86 build
+# (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX), our kernels built
+# for x86-64-v3, torch's own kernels and oneDNN held to AVX2. A proxy: the cores, caches and
+# memory stay this machine's.
+ISAS = {"native": (["-DGGML_NATIVE=ON"], {}),
+        "avx2": (["-DGGML_NATIVE=OFF"], {"OMNISTAGE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+                                         "ONEDNN_MAX_CPU_ISA": "AVX2"})}
+
+
+def build_llama_cpp(folder: Path, isa: str = "native") -> tuple[Path, Path]:
+    """llama.cpp's source tree from the sdist, built in `folder` for `isa` (steps already done
+    are skipped); returns the source tree and the folder of its binaries."""
     folder.mkdir(parents=True, exist_ok=True)
     src = folder / f"llama_cpp_python-{PEER_VERSION}" / "vendor" / "llama.cpp"
     if not src.is_dir():
@@ -87,17 +99,18 @@ def build_llama_cpp(folder: Path) -> Path:
                  f"llama-cpp-python=={PEER_VERSION}", "-d", folder])
         with tarfile.open(archive) as tar:
             tar.extractall(folder, filter="data")
-    binaries = src / "build" / "bin"
+    build = "build" if isa == "native" else f"build-{isa}"
+    binaries = src / build / "bin"
     if not all((binaries / b).exists() for b in ("llama-bench", "llama-batched-bench", "llama-quantize")):
-        log("[peer] building llama.cpp (GGML_NATIVE=ON): several minutes")
-        run(["cmake", "-B", "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+        log(f"[peer] building llama.cpp ({' '.join(ISAS[isa][0])}): several minutes")
+        run(["cmake", "-B", build, *ISAS[isa][0], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=src)
-        run(["cmake", "--build", "build", "-j2", "--target", "llama-bench", "llama-batched-bench",
+        run(["cmake", "--build", build, "-j2", "--target", "llama-bench", "llama-batched-bench",
              "llama-quantize"], cwd=src)
-    return src
+    return src, binaries
 
 
-def gguf_files(folder: Path, src: Path, model_dir: Path) -> dict[str, Path]:
+def gguf_files(folder: Path, src: Path, binaries: Path, model_dir: Path) -> dict[str, Path]:
     """The checkpoint as f32 GGUF and llama-quantize's q8_0 and q4_0 of it."""
     sys.path.insert(0, str(src / "gguf-py"))
     import gguf
@@ -110,7 +123,7 @@ def gguf_files(folder: Path, src: Path, model_dir: Path) -> dict[str, Path]:
     for q in ("q8_0", "q4_0"):
         files[q] = folder / f"{model_dir.name}-{q}.gguf"
         if not files[q].exists():
-            run([src / "build" / "bin" / "llama-quantize", files["f32"], files[q], q, "2"])
+            run([binaries / "llama-quantize", files["f32"], files[q], q, "2"])
     return files
 
 
@@ -120,8 +133,8 @@ class LlamaCpp:
     Intel Xeon with AMX (2026-12-05) llama.cpp 0.3.36's AMX q8_0 / q4_0 kernels died with SIGILL
     on any batch of rows (prefill, parallel prompts) while single-row decode ran with them."""
 
-    def __init__(self, src: Path, threads: int):
-        self.bin, self.threads = src / "build" / "bin", threads
+    def __init__(self, binaries: Path, threads: int):
+        self.bin, self.threads = binaries, threads
         self.fallbacks: set[str] = set()
 
     def _run(self, tool: str, args: list, no_repack: list) -> str:
@@ -206,6 +219,17 @@ def measure_pair(ours: Ours, llama: LlamaCpp, gguf: Path, counts: list[int]) -> 
     return a, b
 
 
+def _hold_to_isa(isa: str, argv: list[str] | None) -> None:
+    """Run this script again in the environment `isa` needs (torch reads it at import), unless
+    it already is that environment."""
+    env = ISAS[isa][1]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    log(f"[ours] {' '.join(f'{k}={v}' for k, v in env.items())}: running again in that environment")
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.cpu_peers", *args], {**os.environ, **env})
+
+
 def main(argv=None) -> dict:
     from omnistage.paths import cache_dir
 
@@ -218,8 +242,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS),
                     help=f"comma-separated labels of the pairs to run (default: all: "
                          f"{', '.join(f[0] for f in FORMATS)})")
+    ap.add_argument("--isa", choices=sorted(ISAS), default="native",
+                    help="native: both engines built for this CPU; avx2: both held to AVX2 + FMA "
+                         "(what a CPU without AVX-512 runs; a proxy on this one's cores and memory)")
     ap.add_argument("--out-json")
     args = ap.parse_args(argv)
+    _hold_to_isa(args.isa, argv)
     wanted = args.formats.split(",")
     unknown = set(wanted) - {f[0] for f in FORMATS}
     if unknown:
@@ -227,18 +255,18 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.parallel.split(",")]
     folder = Path(args.peer_dir) if args.peer_dir else cache_dir() / "peers"
-    src = build_llama_cpp(folder)
+    src, binaries = build_llama_cpp(folder, args.isa)
     model_dir = Path(args.model) if args.model else folder / "qwen2-small"
     if not args.model and not (model_dir / "config.json").exists():
         from omnistage.tiny import build_tiny
 
         build_tiny("qwen2", model_dir, size="small")
-    files = gguf_files(folder, src, model_dir)
+    files = gguf_files(folder, src, binaries, model_dir)
     cpu = cpu_description()
-    log(f"{cpu_line(cpu)}; {args.threads} threads")
-    report = {"cpu": cpu, "threads": args.threads, "model": str(model_dir), "peer": f"llama.cpp from "
+    log(f"{cpu_line(cpu)}; {args.threads} threads; both engines built for {args.isa}")
+    report = {"cpu": cpu, "isa": args.isa, "threads": args.threads, "model": str(model_dir), "peer": f"llama.cpp from "
               f"llama-cpp-python {PEER_VERSION}", "bandwidth_start": measure_read_bandwidth(threads=args.threads)}
-    llama = LlamaCpp(src, args.threads)
+    llama = LlamaCpp(binaries, args.threads)
     results = {}
     for label, gtype, quant, same_file in [f for f in FORMATS if f[0] in wanted]:
         ours = Ours(files[gtype] if same_file else model_dir, quant, seed=0)

@@ -104,3 +104,33 @@ def test_another_users_folder_is_not_used(cache, source, caplog):
     assert lib.parent != folder and _mode(lib.parent) == 0o700 and _is_ours(lib)
     assert not any(folder.iterdir())
     assert build.build_library(source, {}) == lib            # reused within the process
+
+
+WIDEST = """
+int widest(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(build.platform.machine().lower() not in ("x86_64", "amd64"), reason="x86 CPU names")
+def test_the_kernel_march_setting_builds_for_an_older_cpu(cache, tmp_path, monkeypatch):
+    """$OMNISTAGE_KERNEL_MARCH=x86-64-v3 builds the AVX2 paths even on an AVX-512 CPU (a
+    library of its own), and a value that is no CPU name is refused before the compiler runs."""
+    path = tmp_path / "widest.c"
+    path.write_text(WIDEST)
+    native = build.build_library(path, {})
+    monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3")
+    older = build.build_library(path, {})
+    assert older != native and ctypes.CDLL(str(older)).widest() == 256
+    if " avx512f" in build._cpu_flags():                       # the native build is wider
+        assert ctypes.CDLL(str(native)).widest() == 512
+    monkeypatch.setenv(build.MARCH_ENV, "native -fplugin=x.so")
+    with pytest.raises(build.NativeBuildError, match="not a CPU name"):
+        build.build_library(path, {})

@@ -48,7 +48,7 @@ def _known(march: str) -> bool:
 
 def _compile(source: str, target: str, defines: tuple[str, ...], out: Path) -> str | None:
     march = target.removesuffix("-narrow")
-    flags = [f for f in build.FLAGS if f not in ("-march=native", "-shared")]
+    flags = [f for f in build.FLAGS if f != "-shared"]
     cmd = [build.compiler(), *flags, f"-march={march}", *TARGETS[target], *defines, "-c",
            str(KERNELS / source), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -32,7 +32,8 @@ from omnistage.paths import cache_dir
 
 # -ffp-contract=fast: `acc += a * b` is one fused multiply-add in every kernel and every
 # compiler (GCC's default for GNU C; clang's default fuses only within one expression).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+MARCH_ENV = "OMNISTAGE_KERNEL_MARCH"
 
 log = logging.getLogger(__name__)
 _private: list[Path] = []            # this process's private build folder, once made
@@ -75,6 +76,18 @@ def narrow_vectors() -> tuple[dict[str, int], tuple[str, ...]]:
     return {"OMNISTAGE_NO_AVX512": 1}, flags
 
 
+def march() -> str:
+    """The `-march` the kernels are built for: `native` (this CPU), or `$OMNISTAGE_KERNEL_MARCH`
+    (a compiler's CPU name or level, e.g. `x86-64-v3`: AVX2 + FMA, what a Zen 3 or a Haswell
+    has). A narrower target runs the paths an older CPU takes on this one, all kernels at once
+    (the AVX2 measurements of benchmarks/README.md); a target this CPU lacks fails at the first
+    unsupported instruction, so it is for building what this CPU can run."""
+    value = os.environ.get(MARCH_ENV, "native")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}", value):
+        raise NativeBuildError(f"${MARCH_ENV}={value!r} is not a CPU name (letters, digits, . _ + -)")
+    return value
+
+
 def without_vnni() -> tuple[str, ...]:
     """The compiler flags that build a kernel's AVX-512 paths without VNNI's integer dot
     products (vpdpbusd; Skylake-SP / -X Xeons have AVX-512BW but not VNNI): the path those
@@ -97,7 +110,8 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     compiler `flags` after ours (e.g. -mno-avx512f: code for CPUs without AVX-512)."""
     cc = compiler()
     version = _compiler_version(cc, _mtime_ns(cc))
-    args = [*FLAGS, *wide_vectors(), *flags, *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
+    args = [*FLAGS, f"-march={march()}", *wide_vectors(), *flags,
+            *(f"-D{k}={v}" for k, v in sorted(defines.items()))]
     key = hashlib.sha256("\0".join([_source_text(source), *args, version, _cpu_flags()]).encode())
     out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if _loadable(out):

@@ -167,8 +167,9 @@ def test_inputs_of_other_layouts(kernel):
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-def test_rows_are_batch_invariant(kernel, fmt):
-    """A row's result is the same bits alone, in any batch, and at any position of it."""
+def test_rows_are_batch_invariant(kernel, narrow_kernel, fmt):
+    """A row's result is the same bits alone, in any batch, and at any position of it; the
+    AVX2-width path's too (its int8k / int4k tiles of 2-4 rows against a row alone)."""
     g = torch.Generator().manual_seed(2)
     w_t, b = torch.randn(300, 200, generator=g), torch.randn(200, generator=g)
     packed = kernel.pack(w_t, fmt)
@@ -178,6 +179,7 @@ def test_rows_are_batch_invariant(kernel, fmt):
         assert torch.equal(kernel(x[i:i + 1], packed, b)[0], whole[i])
     for lo, hi in [(0, 2), (5, 11), (3, 37), (30, 37)]:
         assert torch.equal(kernel(x[lo:hi], packed, b), whole[lo:hi])
+        assert torch.equal(narrow_kernel(x[lo:hi], packed, b), whole[lo:hi])
     # ...and with other rows around it.
     mixed = torch.cat([torch.randn(4, 300, generator=g), x[7:8], torch.randn(20, 300, generator=g)])
     assert torch.equal(kernel(mixed, packed, b)[4], whole[7])
