@@ -84,6 +84,9 @@ static inline vf sum_lanes16(const vf a[16]) {
  * accumulators of 8 lanes, the query read from L1, and an hadd tree: the same products, summed
  * in another order than the 16-lane tree. */
 #define SCORES_8 1
+/* Output values per pass over the keys in the P V sums: GROUP x PV_WIDTH / 8 accumulators of
+ * 8 lanes, at most 12 of the 16 registers. */
+#define PV_WIDTH (GROUP <= 6 ? 16 : 8)
 #include <immintrin.h>
 static inline __m256 load8_kv(const kv_t *p) {
 #ifdef KV_BF16
@@ -168,7 +171,6 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
      * with 16-lane vector types, GCC kept these accumulators on the stack and moved them
      * through general registers at every key (~100 instructions a key and chunk, where 14 do:
      * decode attention at 21 GFLOP/s, against 62-92 with AVX-512). */
-#define PV_WIDTH (GROUP <= 6 ? 16 : 8)
     for (int c = 0; c < HEAD_DIM; c += PV_WIDTH) {
         __m256 o[GROUP][PV_WIDTH / 8];
         for (int g = 0; g < GROUP; g++)
@@ -260,6 +262,52 @@ typedef struct {                      /* one thread's scratch */
     float m[QV];                      /* running maxima */
 } Scratch;
 
+#ifdef SCORES_8
+/* The prefill's two steps of one query row in 8-lane registers (with 16-lane vector types
+ * GCC kept their accumulators on the stack: prefill attention ran at 30 GFLOP/s against 150
+ * with AVX-512). The same FMAs in the same order as the 16-lane code below, so the same bits.
+ * Scores of keys 8 half .. 8 half + 7 of the span for the row's G heads, lanes `half` of sc. */
+static inline void scores_row8(const Scratch *w, int64_t j0, int half, vf_halves sc[GROUP], int lane) {
+    __m256 a[GROUP][2];
+    for (int g = 0; g < GROUP; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    for (int d = 0; d < HEAD_DIM; d += 2) {
+        const __m256 k_even = _mm256_loadu_ps(w->kt[d] + 8 * half);
+        const __m256 k_odd = _mm256_loadu_ps(w->kt[d + 1] + 8 * half);
+        for (int g = 0; g < GROUP; g++) {
+            a[g][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(&w->q[j0 + g][d]), k_even, a[g][0]);
+            a[g][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(&w->q[j0 + g][d + 1]), k_odd, a[g][1]);
+        }
+    }
+    for (int g = 0; g < GROUP; g++) sc[g].h[lane] = _mm256_add_ps(a[g][0], a[g][1]);
+}
+
+/* o (the row's G heads) = o * corr + sum over the span's first `valid` keys of p V, PV_WIDTH
+ * values at a time. */
+static inline void pv_row8(Scratch *w, int64_t j0, const vf p[GROUP], const float corr[GROUP],
+                           const kv_t *restrict vb, int valid) {
+    float pw[GROUP][LANES];
+    for (int g = 0; g < GROUP; g++) store(pw[g], p[g]);
+    for (int c = 0; c < HEAD_DIM; c += PV_WIDTH) {
+        __m256 o[GROUP][PV_WIDTH / 8];
+        for (int g = 0; g < GROUP; g++)
+            for (int h = 0; h < PV_WIDTH / 8; h++) {
+                o[g][h] = _mm256_loadu_ps(w->o[j0 + g] + c + 8 * h);
+                if (corr[g] != 1.0f) o[g][h] = _mm256_mul_ps(o[g][h], _mm256_set1_ps(corr[g]));
+            }
+        for (int t = 0; t < valid; t++) {
+            __m256 v[PV_WIDTH / 8];
+            for (int h = 0; h < PV_WIDTH / 8; h++) v[h] = load8_kv(vb + t * HEAD_DIM + c + 8 * h);
+            for (int g = 0; g < GROUP; g++) {
+                const __m256 pg = _mm256_broadcast_ss(&pw[g][t]);
+                for (int h = 0; h < PV_WIDTH / 8; h++) o[g][h] = _mm256_fmadd_ps(pg, v[h], o[g][h]);
+            }
+        }
+        for (int g = 0; g < GROUP; g++)
+            for (int h = 0; h < PV_WIDTH / 8; h++) _mm256_storeu_ps(w->o[j0 + g] + c + 8 * h, o[g][h]);
+    }
+}
+#endif
+
 /* One tile: `rows` query tokens (the first at position pos0; q and out point at its first
  * row and KV head h's first query head, rows `row_stride` / `out_stride` apart) against keys
  * 0 .. pos0 + rows - 1 in the blocks of `table`. */
@@ -289,6 +337,14 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
             const int64_t j0 = r * GROUP;
             /* The row's G heads together: each K row (and below each V row) is loaded once
              * for all of them; two partial sums per head keep 2G FMA chains in flight. */
+            vf p[GROUP];
+            float corr[GROUP];
+#ifdef SCORES_8
+            vf_halves sc[GROUP];
+            scores_row8(w, j0, 0, sc, 0);
+            scores_row8(w, j0, 1, sc, 1);
+#define SCORE(g) sc[g].v
+#else
             vf a[GROUP][2];
             for (int g = 0; g < GROUP; g++) a[g][0] = a[g][1] = (vf){};
             for (int d = 0; d < HEAD_DIM; d += 2) {
@@ -298,39 +354,41 @@ static void prefill_tile(Scratch *w, const float *restrict q, int64_t row_stride
                     a[g][1] += w->q[j0 + g][d + 1] * k_odd;
                 }
             }
-            vf p[GROUP], o[GROUP][CHUNKS];
+#define SCORE(g) (a[g][0] + a[g][1])
+#endif
             for (int g = 0; g < GROUP; g++) {
                 const int64_t j = j0 + g;
-                vf sc = a[g][0] + a[g][1];
-                for (int t = valid; t < LANES; t++) sc[t] = -INFINITY;
-                const float mx = max_lanes(sc);
-                for (int c = 0; c < CHUNKS; c++) o[g][c] = load(w->o[j] + c * LANES);
+                vf score = SCORE(g);
+                for (int t = valid; t < LANES; t++) score[t] = -INFINITY;
+                const float mx = max_lanes(score);
+                corr[g] = 1.0f;
                 if (mx > w->m[j]) {                     /* a new maximum: rescale the past */
-                    const float corr = expf(w->m[j] - mx);
-                    w->l[j] *= corr;
-                    for (int c = 0; c < CHUNKS; c++) o[g][c] *= corr;
+                    corr[g] = expf(w->m[j] - mx);
+                    w->l[j] *= corr[g];
                     w->m[j] = mx;
                 }
-                p[g] = vexp(sc - w->m[j]);
+                p[g] = vexp(score - w->m[j]);
                 w->l[j] += p[g];
             }
+#undef SCORE
 #ifdef SCORES_8
-            /* One chunk of the heads' sums at a time (see the decode's): the same order. */
-            for (int c = 0; c < CHUNKS; c++)
-                for (int t = 0; t < valid; t++) {
-                    const vf v = load_kv(vb + t * HEAD_DIM + c * LANES);
-                    for (int g = 0; g < GROUP; g++) o[g][c] += p[g][t] * v;
-                }
+            pv_row8(w, j0, p, corr, vb, valid);
 #else
+            vf o[GROUP][CHUNKS];
+            for (int g = 0; g < GROUP; g++)
+                for (int c = 0; c < CHUNKS; c++) {
+                    o[g][c] = load(w->o[j0 + g] + c * LANES);
+                    if (corr[g] != 1.0f) o[g][c] *= corr[g];
+                }
             for (int t = 0; t < valid; t++) {
                 vf v[CHUNKS];
                 for (int c = 0; c < CHUNKS; c++) v[c] = load_kv(vb + t * HEAD_DIM + c * LANES);
                 for (int g = 0; g < GROUP; g++)
                     for (int c = 0; c < CHUNKS; c++) o[g][c] += p[g][t] * v[c];
             }
-#endif
             for (int g = 0; g < GROUP; g++)
                 for (int c = 0; c < CHUNKS; c++) store(w->o[j0 + g] + c * LANES, o[g][c]);
+#endif
         }
     }
     for (int64_t r = 0; r < rows; r++)
