@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
+from omnistage.kernels import build
 from omnistage.kernels.build import NativeBuildError, compiler
 
 # Two shapes: GQA with tied embeddings (the default tiny), and MHA with untied embeddings,
@@ -51,6 +54,20 @@ def tiny_omni(tmp_path_factory) -> str:
     from omnistage.tiny import build_tiny
 
     return str(build_tiny("qwen2_5_omni", tmp_path_factory.mktemp("qwen2_5_omni"), seed=0, size="tiny"))
+
+
+# The kernels as built for this CPU, and (on an x86 CPU with AVX2) for x86-64-v3: the 8-lane
+# paths a CPU without AVX-512 takes, run on this one too.
+KERNEL_MARCHES = ["native"] + (["x86-64-v3"] if platform.machine().lower() in ("x86_64", "amd64")
+                               and " avx2" in build._cpu_flags() else [])
+
+
+@pytest.fixture(params=KERNEL_MARCHES)
+def kernel_march(request, monkeypatch) -> str:
+    """Kernels built in the test are built for this -march ($OMNISTAGE_KERNEL_MARCH)."""
+    if request.param != "native":
+        monkeypatch.setenv(build.MARCH_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

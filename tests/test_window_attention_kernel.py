@@ -20,10 +20,11 @@ def kernels():
     return {}
 
 
-def kernel_for(kernels, head_dim: int, block: int) -> WindowAttentionKernel:
-    if (head_dim, block) not in kernels:
-        kernels[head_dim, block] = WindowAttentionKernel(head_dim, block)
-    return kernels[head_dim, block]
+def kernel_for(kernels, head_dim: int, block: int, march: str = "native") -> WindowAttentionKernel:
+    """The kernel of this shape, built for `march` (the kernel_march fixture sets it)."""
+    if (head_dim, block, march) not in kernels:
+        kernels[head_dim, block, march] = WindowAttentionKernel(head_dim, block)
+    return kernels[head_dim, block, march]
 
 
 def dense_reference(qkv: torch.Tensor, lengths: list[int], block: int, back: int, ahead: int) -> torch.Tensor:
@@ -62,14 +63,16 @@ def angles(rows: int, frames: int, head_dim: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("with_rope", [False, True])
 @pytest.mark.parametrize("rows,blocks,heads,head_dim,block,back,ahead,lengths", CASES)
 def test_equals_attention_by_definition(kernels, rows, blocks, heads, head_dim, block, back, ahead, lengths,
-                                        with_rope):
+                                        with_rope, kernel_march):
     """Valid frames within 1e-5 of the float64 result (inputs ~N(0, 4): sharp softmaxes);
     padding frames (never used by the DiT) only finite. with_rope: the kernel rotates head 0 of
-    q and k as it reads them; the reference rotates them first (torch's complex multiply)."""
+    q and k as it reads them; the reference rotates them first (torch's complex multiply).
+    Both builds (kernel_march: this CPU's, and AVX2's where it can run it)."""
     qkv = torch.randn(rows, blocks * block, 3, heads, head_dim, generator=torch.Generator().manual_seed(blocks)) * 2
     rope = angles(rows, blocks * block, head_dim, seed=rows) if with_rope else None
     before = qkv.clone()
-    got = kernel_for(kernels, head_dim, block)(qkv, torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope)
+    got = kernel_for(kernels, head_dim, block, kernel_march)(qkv, torch.tensor(lengths), back, ahead,
+                                                             head_dim ** -0.5, rope)
     assert torch.equal(qkv, before)                                   # read, never written
     if with_rope:
         _rotate_head0(qkv, rope)
@@ -82,13 +85,13 @@ def test_equals_attention_by_definition(kernels, rows, blocks, heads, head_dim, 
 
 @pytest.mark.parametrize("rows,blocks,heads,head_dim,block,back,ahead,lengths", CASES)
 def test_bf16_build_is_the_float32_one_widened_and_rounded(kernels, rows, blocks, heads, head_dim, block,
-                                                          back, ahead, lengths):
+                                                          back, ahead, lengths, kernel_march):
     """qkv in bf16 (as the DiT's bf16 GEMMs write it): bit for bit the float32 kernel on the
     widened qkv, its output rounded to bf16 as torch rounds (the copies it saves change no bit),
     padding frames included."""
     qkv = torch.randn(rows, blocks * block, 3, heads, head_dim, generator=torch.Generator().manual_seed(7)) * 2
     qkv = qkv.bfloat16()
-    k, rope = kernel_for(kernels, head_dim, block), angles(rows, blocks * block, head_dim, seed=3)
+    k, rope = kernel_for(kernels, head_dim, block, kernel_march), angles(rows, blocks * block, head_dim, seed=3)
     got = k(qkv, torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope)
     want = k(qkv.float(), torch.tensor(lengths), back, ahead, head_dim ** -0.5, rope).bfloat16()
     assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -3,30 +3,16 @@ over contiguous keys, and their selection by `attention_kernel`."""
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from omnistage import Omni, SamplingParams
 from omnistage.errors import InvalidRequestError
-from omnistage.kernels import build
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.layers.attention import KVCache
 from omnistage.layers.rotary import RotaryEmbedding
 
 needs_cc = pytest.mark.usefixtures("c_compiler")
-# The kernels as built for this CPU, and (on an x86 CPU with AVX2) for x86-64-v3: the 8-lane
-# paths a CPU without AVX-512 takes, run here too.
-MARCHES = ["native"] + (["x86-64-v3"] if platform.machine().lower() in ("x86_64", "amd64")
-                        and " avx2" in build._cpu_flags() else [])
-
-
-@pytest.fixture(params=MARCHES)
-def kernel_march(request, monkeypatch):
-    if request.param != "native":
-        monkeypatch.setenv(build.MARCH_ENV, request.param)
-    return request.param
 
 
 def _case(hq, hkv, d, bs, lens, seed, spread=1.0, kv_dtype=torch.float32):
@@ -83,6 +69,7 @@ CASES = [(*s, torch.float32) for s in SHAPES] + [(*s, torch.bfloat16) for s in S
 @needs_cc
 @pytest.mark.parametrize("hq,hkv,d,bs,kv_dtype", CASES)
 def test_decode_matches_attention(hq, hkv, d, bs, kv_dtype, kernel_march):
+    """Both builds (kernel_march: this CPU's, and AVX2's where it can run it)."""
     # Lengths on and around block and 16-key boundaries, a single key, and long contexts.
     lens = [1, 2, 15, 16, 17, bs - 1, bs, bs + 1, 3 * bs + 5, 300, 777]
     cache, tables, q = _case(hq, hkv, d, bs, lens, seed=hq * 100 + d, kv_dtype=kv_dtype)
