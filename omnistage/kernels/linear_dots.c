@@ -422,17 +422,14 @@ ROWS_AVX2(rows_i8k, i8k_tile_avx2, 0, i8k_block_avx2)
 #else
 /* rows_W: `rows` rows against one panel, one after another (the 16-lane paths keep a row's 64
  * columns of sums in four registers and read the panel once per row from L1 / L2). */
-static void rows_i4k(ROWS_ARGS) {
+static inline __attribute__((always_inline)) void rows_qk(block_fn block, int32_t bias, ROWS_ARGS) {
     for (int r = 0; r < rows; r++)
-        panel_qk(i4k_block, 8, q + r * k, s + r * (k / KB), sums + r * (k / KB), k, group, p, gs,
+        panel_qk(block, bias, q + r * k, s + r * (k / KB), sums + r * (k / KB), k, group, p, gs,
                  out + r * PANEL);
 }
 
-static void rows_i8k(ROWS_ARGS) {
-    for (int r = 0; r < rows; r++)
-        panel_qk(i8k_block, I8K_BIAS, q + r * k, s + r * (k / KB), sums + r * (k / KB), k, group, p,
-                 gs, out + r * PANEL);
-}
+static void rows_i4k(ROWS_ARGS) { rows_qk(i4k_block, 8, q, s, sums, rows, k, group, p, gs, out); }
+static void rows_i8k(ROWS_ARGS) { rows_qk(i8k_block, I8K_BIAS, q, s, sums, rows, k, group, p, gs, out); }
 #endif
 
 /* ---- the entries of i4k and i8k ---------------------------------------------------------- */

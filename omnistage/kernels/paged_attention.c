@@ -109,6 +109,18 @@ static inline __m256 dots8(const float *restrict q, const kv_t *restrict k) {
     const __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_permute2f128_ps(u, v, 0x20) + _mm256_permute2f128_ps(u, v, 0x31);
 }
+
+/* o[g] += p[g * stride] * (PV_WIDTH values of one key's V row at vt), for the G heads: the
+ * P V step of the decode and of the prefill (each output a chain of FMAs over the keys). */
+static inline void add_pv8(__m256 o[GROUP][PV_WIDTH / 8], const kv_t *restrict vt,
+                           const float *restrict p, int64_t stride) {
+    __m256 v[PV_WIDTH / 8];
+    for (int h = 0; h < PV_WIDTH / 8; h++) v[h] = load8_kv(vt + 8 * h);
+    for (int g = 0; g < GROUP; g++) {
+        const __m256 pg = _mm256_broadcast_ss(p + g * stride);
+        for (int h = 0; h < PV_WIDTH / 8; h++) o[g][h] = _mm256_fmadd_ps(pg, v[h], o[g][h]);
+    }
+}
 #endif
 
 /* One (sequence, KV head): GROUP queries over `len` keys. `s` holds GROUP * padded scores. */
@@ -175,15 +187,8 @@ static void attend(const float *restrict q, const kv_t *restrict k_plane,
         __m256 o[GROUP][PV_WIDTH / 8];
         for (int g = 0; g < GROUP; g++)
             for (int h = 0; h < PV_WIDTH / 8; h++) o[g][h] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < len; t++) {
-            const kv_t *vt = v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM + c;
-            __m256 v[PV_WIDTH / 8];
-            for (int h = 0; h < PV_WIDTH / 8; h++) v[h] = load8_kv(vt + 8 * h);
-            for (int g = 0; g < GROUP; g++) {
-                const __m256 pg = _mm256_broadcast_ss(s + g * padded + t);
-                for (int h = 0; h < PV_WIDTH / 8; h++) o[g][h] = _mm256_fmadd_ps(pg, v[h], o[g][h]);
-            }
-        }
+        for (int64_t t = 0; t < len; t++)
+            add_pv8(o, v_plane + (table[t / BLOCK] * BLOCK + t % BLOCK) * HEAD_DIM + c, s + t, padded);
         for (int g = 0; g < GROUP; g++)
             for (int h = 0; h < PV_WIDTH / 8; h++)
                 _mm256_storeu_ps(out + g * HEAD_DIM + c + 8 * h, o[g][h] * _mm256_set1_ps(inv_sum[g]));
@@ -294,14 +299,7 @@ static inline void pv_row8(Scratch *w, int64_t j0, const vf p[GROUP], const floa
                 o[g][h] = _mm256_loadu_ps(w->o[j0 + g] + c + 8 * h);
                 if (corr[g] != 1.0f) o[g][h] = _mm256_mul_ps(o[g][h], _mm256_set1_ps(corr[g]));
             }
-        for (int t = 0; t < valid; t++) {
-            __m256 v[PV_WIDTH / 8];
-            for (int h = 0; h < PV_WIDTH / 8; h++) v[h] = load8_kv(vb + t * HEAD_DIM + c + 8 * h);
-            for (int g = 0; g < GROUP; g++) {
-                const __m256 pg = _mm256_broadcast_ss(&pw[g][t]);
-                for (int h = 0; h < PV_WIDTH / 8; h++) o[g][h] = _mm256_fmadd_ps(pg, v[h], o[g][h]);
-            }
-        }
+        for (int t = 0; t < valid; t++) add_pv8(o, vb + t * HEAD_DIM + c, &pw[0][t], LANES);
         for (int g = 0; g < GROUP; g++)
             for (int h = 0; h < PV_WIDTH / 8; h++) _mm256_storeu_ps(w->o[j0 + g] + c + 8 * h, o[g][h]);
     }
