@@ -187,8 +187,8 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
  * NULL), + bias (or NULL); R rows of x at stride ldx; group scales gs (i4, i8g) or NULL, with
  * groups of G inputs (G = K when there are none). y points at column cb of row 0. pf: each
  * panel row read also prefetches (into L2) the lines pf bytes further on, 0: none. */
-#define TILE(W, R) \
-static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
+#define TILE(W, R, PF, NAME) \
+static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
                         int64_t K, int64_t G, const float *restrict gs, const float *restrict cs, \
                         const float *restrict bias, float *restrict y, int64_t ldy, int cb, \
                         int64_t pf) { \
@@ -201,7 +201,7 @@ static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
         const int64_t k1 = k0 + G < K ? k0 + G : K; \
         for (int64_t k = k0; k < k1; k++) { \
             const W##_t *row = p + k * W##_ROW; \
-            if (pf) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
+            if (PF) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
                 __builtin_prefetch((const char *)row + pf + b_, 0, 2); \
             if (W##_HALVES) { \
                 const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1); \
@@ -238,8 +238,8 @@ static void tile_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
 #define WDECL(m, v) vf c##m##v = {};
 #define WSCALE(src, v) s##v = load((src) + (v) * LANES); o##v = -8.0f * s##v;
 #define WLOAD(v, src, c) v = load((src) + (c) * LANES);
-#define TILE_WIDE(W, R) \
-static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
+#define TILE_WIDE(W, R, PF, NAME) \
+static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
                         int64_t K, int64_t G, const float *restrict gs, const float *restrict cs, \
                         const float *restrict bias, float *restrict y, int64_t ldy, int64_t pf) { \
     enum { two = R == 2 }; \
@@ -251,7 +251,7 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
         const int64_t k1 = k0 + G < K ? k0 + G : K; \
         for (int64_t k = k0; k < k1; k++) { \
             const W##_t *row = p + k * W##_ROW; \
-            if (pf) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
+            if (PF) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
                 __builtin_prefetch((const char *)row + pf + b_, 0, 2); \
             const vf a0 = bcast(x + k), a1 = two ? bcast(x + ldx + k) : (vf){}; \
             REP8(WCOL, W) \
@@ -277,22 +277,36 @@ static void wide_##W##R(const float *restrict x, int64_t ldx, const W##_t *restr
 #define WIDE_MAX_M 16
 #define WIDE_MIN_BYTES (4 << 20)
 #if BLOCKS == 2
-#define WIDE_TILES(W) TILE_WIDE(W, 1) TILE_WIDE(W, 2)
+#define WIDE_TILES(W) TILE_WIDE(W, 1, 0, wide_##W##1) TILE_WIDE(W, 2, 0, wide_##W##2) \
+    TILE_WIDE(W, 1, 1, wide_pf_##W##1) TILE_WIDE(W, 2, 1, wide_pf_##W##2)
 /* `WIDE(...) statement`: the wide tile for 1-2 rows, else the statement. */
-#define WIDE(W, rows, ...) if (rows <= 2) (rows == 1 ? wide_##W##1 : wide_##W##2)(__VA_ARGS__); else
+#define WIDE(W, rows, pf, ...) if (rows <= 2) (pf ? (rows == 1 ? wide_pf_##W##1 : wide_pf_##W##2) \
+                                                   : (rows == 1 ? wide_##W##1 : wide_##W##2))(__VA_ARGS__, pf); else
 #else
 #define WIDE_TILES(W)
-#define WIDE(W, rows, ...)
+#define WIDE(W, rows, pf, ...)
 #endif
 
+/* Each tile twice: without prefetch (the compute-bound batches: an `if (pf)` in the loop of the
+ * 8-lane 3-row tile cost its register allocation 27% of a 512-row product) and with. */
+#if MR == 6
+#define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3) \
+    TILE(W, 4, PF, N##4) TILE(W, 5, PF, N##5) TILE(W, 6, PF, N##6)
+#else
+#define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3)
+#endif
 #define TILE_FN(W) typedef void (*tile_##W##_fn)(const float *, int64_t, const W##_t *, int64_t, \
     int64_t, const float *, const float *, const float *, float *, int64_t, int, int64_t);
 #if MR == 6
-#define TILES(W) TILE_FN(W) TILE(W, 1) TILE(W, 2) TILE(W, 3) TILE(W, 4) TILE(W, 5) TILE(W, 6) \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_pf_##W) \
+    static const tile_##W##_fn TILES_PF_##W[MR + 1] = {NULL, tile_pf_##W##1, tile_pf_##W##2, \
+        tile_pf_##W##3, tile_pf_##W##4, tile_pf_##W##5, tile_pf_##W##6}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3, \
                                                     tile_##W##4, tile_##W##5, tile_##W##6};
 #else
-#define TILES(W) TILE_FN(W) TILE(W, 1) TILE(W, 2) TILE(W, 3) WIDE_TILES(W) \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_pf_##W) WIDE_TILES(W) \
+    static const tile_##W##_fn TILES_PF_##W[MR + 1] = {NULL, tile_pf_##W##1, tile_pf_##W##2, \
+        tile_pf_##W##3}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
 #endif
 
@@ -379,13 +393,14 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
         const int64_t ldo = full ? ldy : PANEL; \
         if (f != NULL) { \
             if (j != have) { dequant_##W(p, k, G, gs, f); have = j; } \
-            WIDE(f32, rows, xs, ldx, f, k, k, NULL, cs, b, out, ldo, 0) \
+            WIDE(f32, rows, 0, xs, ldx, f, k, k, NULL, cs, b, out, ldo) \
             for (int cb = 0; cb < PANEL; cb += BLOCK) \
                 TILES_f32[rows](xs, ldx, f, k, k, NULL, cs, b, out + cb, ldo, cb, 0); \
         } else { \
-            WIDE(W, rows, xs, ldx, p, k, G, gs, cs, b, out, ldo, pf) \
+            WIDE(W, rows, pf, xs, ldx, p, k, G, gs, cs, b, out, ldo) \
             for (int cb = 0; cb < PANEL; cb += BLOCK) \
-                TILES_##W[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, ldo, cb, cb == 0 ? pf : 0); \
+                (cb == 0 && pf ? TILES_PF_##W : TILES_##W)[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, \
+                                                                ldo, cb, pf); \
         } \
         if (!full) \
             for (int r = 0; r < rows; r++) \
