@@ -64,7 +64,8 @@
 #endif
 #define BLOCK (4 * LANES)          /* columns a tile computes */
 #define BLOCKS (PANEL / BLOCK)     /* column blocks per panel: 1 (AVX-512) or 2 */
-#define PREFETCH_AHEAD 16384       /* bytes the first tile of rows over a panel prefetches ahead */
+#define PREFETCH_NEAR 2048         /* bytes the streaming tiles of 1-2 rows prefetch ahead (L1) */
+#define PREFETCH_AHEAD 16384       /* bytes the first tile of 3+ rows over a panel prefetches (L2) */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -201,7 +202,12 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
         const int64_t k1 = k0 + G < K ? k0 + G : K; \
         for (int64_t k = k0; k < k1; k++) { \
             const W##_t *row = p + k * W##_ROW; \
-            if (PF) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
+            if (PF == 1) { \
+                __builtin_prefetch((const char *)row + PREFETCH_NEAR); \
+                if (W##_ROW * sizeof(W##_t) > 128) \
+                    __builtin_prefetch((const char *)row + PREFETCH_NEAR + 128); \
+            } \
+            if (PF == 2) for (int b_ = 0; b_ < (int)(W##_ROW * sizeof(W##_t)); b_ += 64) \
                 __builtin_prefetch((const char *)row + pf + b_, 0, 2); \
             if (W##_HALVES) { \
                 const vf b0 = w_##W(row, cb, s0, o0), b1 = w_##W(row, cb + LANES, s1, o1); \
@@ -278,7 +284,7 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
 #define WIDE_MIN_BYTES (4 << 20)
 #if BLOCKS == 2
 #define WIDE_TILES(W) TILE_WIDE(W, 1, 0, wide_##W##1) TILE_WIDE(W, 2, 0, wide_##W##2) \
-    TILE_WIDE(W, 1, 1, wide_pf_##W##1) TILE_WIDE(W, 2, 1, wide_pf_##W##2)
+    TILE_WIDE(W, 1, 2, wide_pf_##W##1) TILE_WIDE(W, 2, 2, wide_pf_##W##2)
 /* `WIDE(...) statement`: the wide tile for 1-2 rows, else the statement. */
 #define WIDE(W, rows, pf, ...) if (rows <= 2) (pf ? (rows == 1 ? wide_pf_##W##1 : wide_pf_##W##2) \
                                                    : (rows == 1 ? wide_##W##1 : wide_##W##2))(__VA_ARGS__, pf); else
@@ -287,8 +293,12 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
 #define WIDE(W, rows, pf, ...)
 #endif
 
-/* Each tile twice: without prefetch (the compute-bound batches: an `if (pf)` in the loop of the
- * 8-lane 3-row tile cost its register allocation 27% of a 512-row product) and with. */
+/* Each tile three times: without prefetch (the compute-bound batches: an `if (pf)` in the loop
+ * of the 8-lane 3-row tile cost its register allocation 27% of a 512-row product), with the
+ * near prefetch of decode's streaming rows (1 / TILES_NEAR: two lines of a panel row, 2 KB
+ * ahead, into L1; the far kind cost a Qwen3-Omni thinker step at one request 10.6 -> 12.5 ms,
+ * its weights in this Xeon's L3), and with the far one (2 / TILES_FAR: every line, pf ahead,
+ * into L2). */
 #if MR == 6
 #define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3) \
     TILE(W, 4, PF, N##4) TILE(W, 5, PF, N##5) TILE(W, 6, PF, N##6)
@@ -298,15 +308,21 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
 #define TILE_FN(W) typedef void (*tile_##W##_fn)(const float *, int64_t, const W##_t *, int64_t, \
     int64_t, const float *, const float *, const float *, float *, int64_t, int, int64_t);
 #if MR == 6
-#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_pf_##W) \
-    static const tile_##W##_fn TILES_PF_##W[MR + 1] = {NULL, tile_pf_##W##1, tile_pf_##W##2, \
-        tile_pf_##W##3, tile_pf_##W##4, tile_pf_##W##5, tile_pf_##W##6}; \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_near_##W) \
+    TILE_SET(W, 2, tile_far_##W) \
+    static const tile_##W##_fn TILES_NEAR_##W[MR + 1] = {NULL, tile_near_##W##1, tile_near_##W##2, \
+        tile_near_##W##3, tile_near_##W##4, tile_near_##W##5, tile_near_##W##6}; \
+    static const tile_##W##_fn TILES_FAR_##W[MR + 1] = {NULL, tile_far_##W##1, tile_far_##W##2, \
+        tile_far_##W##3, tile_far_##W##4, tile_far_##W##5, tile_far_##W##6}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3, \
                                                     tile_##W##4, tile_##W##5, tile_##W##6};
 #else
-#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_pf_##W) WIDE_TILES(W) \
-    static const tile_##W##_fn TILES_PF_##W[MR + 1] = {NULL, tile_pf_##W##1, tile_pf_##W##2, \
-        tile_pf_##W##3}; \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_near_##W) \
+    TILE_SET(W, 2, tile_far_##W) WIDE_TILES(W) \
+    static const tile_##W##_fn TILES_NEAR_##W[MR + 1] = {NULL, tile_near_##W##1, tile_near_##W##2, \
+        tile_near_##W##3}; \
+    static const tile_##W##_fn TILES_FAR_##W[MR + 1] = {NULL, tile_far_##W##1, tile_far_##W##2, \
+        tile_far_##W##3}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
 #endif
 
@@ -377,7 +393,9 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
     for (int64_t item = 0; item < num_panels * tiles; item++) { \
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr, t = (int)(item % tiles); \
-        const int64_t pf = t == 0 ? PREFETCH_AHEAD : t == 1 ? panel_bytes : 0; \
+        const int near = t == 0 && rows <= 2;   /* the 4-vector tiles' decode rows (wide: far) */ \
+        const int64_t far = t == 0 ? PREFETCH_AHEAD : t == 1 ? panel_bytes : 0; \
+        const int64_t pf = near ? PREFETCH_NEAR : far; \
         const W##_t *p = panels + j * k * W##_ROW; \
         const float *gs = gscales != NULL ? gscales + j * groups * PANEL : NULL; \
         const float *cs = cscales != NULL ? cscales + n0 : NULL, *xs = x + m0 * ldx; \
@@ -397,10 +415,10 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
             for (int cb = 0; cb < PANEL; cb += BLOCK) \
                 TILES_f32[rows](xs, ldx, f, k, k, NULL, cs, b, out + cb, ldo, cb, 0); \
         } else { \
-            WIDE(W, rows, pf, xs, ldx, p, k, G, gs, cs, b, out, ldo) \
+            WIDE(W, rows, far, xs, ldx, p, k, G, gs, cs, b, out, ldo) \
             for (int cb = 0; cb < PANEL; cb += BLOCK) \
-                (cb == 0 && pf ? TILES_PF_##W : TILES_##W)[rows](xs, ldx, p, k, G, gs, cs, b, out + cb, \
-                                                                ldo, cb, pf); \
+                (cb != 0 || !pf ? TILES_##W : near ? TILES_NEAR_##W : TILES_FAR_##W)[rows]( \
+                    xs, ldx, p, k, G, gs, cs, b, out + cb, ldo, cb, pf); \
         } \
         if (!full) \
             for (int r = 0; r < rows; r++) \
