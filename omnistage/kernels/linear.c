@@ -186,8 +186,9 @@ static inline vf w_i4(const i4_t *row, int c, vf s, vf o) {
 
 /* Rows [0..R) x columns [cb..cb+BLOCK) of one panel: y = x . panel, * column scale (cs, or
  * NULL), + bias (or NULL); R rows of x at stride ldx; group scales gs (i4, i8g) or NULL, with
- * groups of G inputs (G = K when there are none). y points at column cb of row 0. pf: each
- * panel row read also prefetches (into L2) the lines pf bytes further on, 0: none. */
+ * groups of G inputs (G = K when there are none). y points at column cb of row 0. PF (a
+ * constant): 0 no prefetch; 1 each panel row read also prefetches two lines of the row
+ * PREFETCH_NEAR bytes on (into L1); 2 every line of the row pf bytes on (into L2). */
 #define TILE(W, R, PF, NAME) \
 static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, \
                         int64_t K, int64_t G, const float *restrict gs, const float *restrict cs, \
@@ -293,34 +294,29 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
 #define WIDE(W, rows, pf, ...)
 #endif
 
-/* Each tile three times: without prefetch (the compute-bound batches: an `if (pf)` in the loop
- * of the 8-lane 3-row tile cost its register allocation 27% of a 512-row product), with the
- * near prefetch of decode's streaming rows (1 / TILES_NEAR: two lines of a panel row, 2 KB
- * ahead, into L1; the far kind cost a Qwen3-Omni thinker step at one request 10.6 -> 12.5 ms,
- * its weights in this Xeon's L3), and with the far one (2 / TILES_FAR: every line, pf ahead,
- * into L2). */
+/* The tiles without prefetch (compute-bound batches: an `if (pf)` in the loop of the 8-lane
+ * 3-row tile cost its register allocation 27% of a 512-row product), with the far one (every
+ * line into L2: TILES_FAR) and, for decode's 1-2 rows, the near one they had before (TILES_NEAR;
+ * the far kind gave a row alone nothing, past the cache or in the engine). */
 #if MR == 6
 #define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3) \
     TILE(W, 4, PF, N##4) TILE(W, 5, PF, N##5) TILE(W, 6, PF, N##6)
 #else
 #define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3)
 #endif
+#define TILES_NEAR(W) TILE(W, 1, 1, tile_near_##W##1) TILE(W, 2, 1, tile_near_##W##2) \
+    static const tile_##W##_fn TILES_NEAR_##W[3] = {NULL, tile_near_##W##1, tile_near_##W##2};
 #define TILE_FN(W) typedef void (*tile_##W##_fn)(const float *, int64_t, const W##_t *, int64_t, \
     int64_t, const float *, const float *, const float *, float *, int64_t, int, int64_t);
 #if MR == 6
-#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_near_##W) \
-    TILE_SET(W, 2, tile_far_##W) \
-    static const tile_##W##_fn TILES_NEAR_##W[MR + 1] = {NULL, tile_near_##W##1, tile_near_##W##2, \
-        tile_near_##W##3, tile_near_##W##4, tile_near_##W##5, tile_near_##W##6}; \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILES_NEAR(W) TILE_SET(W, 2, tile_far_##W) \
     static const tile_##W##_fn TILES_FAR_##W[MR + 1] = {NULL, tile_far_##W##1, tile_far_##W##2, \
         tile_far_##W##3, tile_far_##W##4, tile_far_##W##5, tile_far_##W##6}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3, \
                                                     tile_##W##4, tile_##W##5, tile_##W##6};
 #else
-#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILE_SET(W, 1, tile_near_##W) \
-    TILE_SET(W, 2, tile_far_##W) WIDE_TILES(W) \
-    static const tile_##W##_fn TILES_NEAR_##W[MR + 1] = {NULL, tile_near_##W##1, tile_near_##W##2, \
-        tile_near_##W##3}; \
+#define TILES(W) TILE_FN(W) TILE_SET(W, 0, tile_##W) TILES_NEAR(W) TILE_SET(W, 2, tile_far_##W) \
+    WIDE_TILES(W) \
     static const tile_##W##_fn TILES_FAR_##W[MR + 1] = {NULL, tile_far_##W##1, tile_far_##W##2, \
         tile_far_##W##3}; \
     static const tile_##W##_fn TILES_##W[MR + 1] = {NULL, tile_##W##1, tile_##W##2, tile_##W##3};
@@ -352,11 +348,9 @@ static void dequant_##W(const W##_t *p, int64_t K, int64_t G, const float *gs, f
             o[v] = -8.0f * s[v]; \
         } \
         const int64_t k1 = k0 + G < K ? k0 + G : K; \
-        for (int64_t k = k0; k < k1; k++) { \
-            __builtin_prefetch((const char *)(p + k * W##_ROW) + PREFETCH_AHEAD, 0, 2); \
+        for (int64_t k = k0; k < k1; k++) \
             for (int v = 0; v < PANEL / LANES; v++) \
                 store(out + k * PANEL + v * LANES, w_##W(p + k * W##_ROW, v * LANES, s[v], o[v])); \
-        } \
     } \
 }
 
