@@ -65,7 +65,6 @@
 #define BLOCK (4 * LANES)          /* columns a tile computes */
 #define BLOCKS (PANEL / BLOCK)     /* column blocks per panel: 1 (AVX-512) or 2 */
 #define PREFETCH_NEAR 2048         /* bytes the streaming tiles of 1-2 rows prefetch ahead (L1) */
-#define PREFETCH_AHEAD 16384       /* bytes the first tile of 3+ rows over a panel prefetches (L2) */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -358,10 +357,8 @@ static void dequant_##W(const W##_t *p, int64_t K, int64_t G, const float *gs, f
  * scales (i8) as above, NULL where the format has none; bias (N) or NULL; y (M, N) rows at
  * stride ldy. Work items panel-major: a thread's consecutive items share a panel, which stays
  * in L2 while the tiles of x stream past it (or its float32 copy, see DEQUANT).
- * Prefetch (software, into L2; only where it pays, it changes no arithmetic): the first tile
- * of rows over a panel reads it from memory, PREFETCH_AHEAD bytes ahead (into the next panel
- * at its end); the second reads it again from L2 and prefetches the same row of the next
- * panel, the thread's next item; later tiles none. Without it, a tile of 3-6 rows computed
+ * Prefetch: each tile of rows is a pass over its panel (pass_prefetch, linear_call.h; decode's
+ * 1-2 row 4-vector tiles keep their near kind). Without it, a tile of 3-6 rows computed
  * while it waited on memory, the hardware prefetcher alone keeping few lines in flight: 2
  * threads of an Intel Xeon (KVM), float32 weights past the cache, 32000x512 at 4 / 8 rows
  * 3.4 / 4.2 -> 2.0 / 2.9 ms, 1024x512 at 4 / 8 rows 110 / 133 -> 64 / 93 us. The last,
@@ -388,7 +385,7 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr, t = (int)(item % tiles); \
         const int near = t == 0 && rows <= 2;   /* the 4-vector tiles' decode rows (wide: far) */ \
-        const int64_t far = t == 0 ? PREFETCH_AHEAD : t == 1 ? panel_bytes : 0; \
+        const int64_t far = pass_prefetch(t, panel_bytes); \
         const int64_t pf = near ? PREFETCH_NEAR : far; \
         const W##_t *p = panels + j * k * W##_ROW; \
         const float *gs = gscales != NULL ? gscales + j * groups * PANEL : NULL; \

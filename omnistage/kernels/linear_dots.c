@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #endif
 
+#include "linear_call.h"
+
 #define PANEL 64                    /* output columns per panel (linear.c's layout) */
 
 /* ---- i4k: int4 weights against int8 activations, integer dot products ------------------- *
@@ -215,11 +217,9 @@ static inline void i8k_block(const int8_t *restrict q, const uint8_t *restrict p
 #else
 #define PF_STEP 64
 #endif
-#define PREFETCH_AHEAD 16384              /* bytes a pass over a panel from memory prefetches ahead */
 
-/* The `bytes` of one block's weights at w, pf bytes further on, into L2 (pf 0: none): a pass
- * over a panel from memory prefetches ahead of itself, or the next panel while it rereads this
- * one from L2 (linear_qk). Prefetches change no arithmetic. */
+/* The `bytes` of one block's weights at w, pf bytes further on, into L2 (pf 0: none; the
+ * distance of the pass, pass_prefetch in linear_call.h). */
 static inline void prefetch_block(const uint8_t *w, int bytes, int64_t pf) {
     if (pf)
         for (int i = 0; i < bytes; i += PF_STEP) __builtin_prefetch(w + pf + i, 0, 2);
@@ -261,7 +261,8 @@ static inline __attribute__((always_inline)) void panel_qk(
     const float *restrict gs, float *restrict out, int64_t pf
 
 /* Up to TILE_ROWS rows at once against one panel: row r's q, s and sums at r k, r k/32 and
- * r k/32, its outputs at out + r PANEL. */
+ * r k/32, its outputs at out + r PANEL. pf0, pf1: the prefetch distances of the call's first
+ * two passes over the panel (PASS_ROWS rows each). */
 #define TILE_ROWS 4
 #define ROWS_ARGS const int8_t *restrict q, const float *restrict s, \
     const int32_t *restrict sums, int rows, int64_t k, int64_t group, const uint8_t *restrict p, \
@@ -445,6 +446,7 @@ static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, in
     }
 ROWS_AVX2(rows_i4k, i4k_tile_avx2, 8, I4K_BLOCK_BYTES, i4k_block_avx2)
 ROWS_AVX2(rows_i8k, i8k_tile_avx2, 0, I8K_BLOCK_BYTES, i8k_block_avx2)
+#define PASS_ROWS TILE_ROWS          /* a call's rows read the panel in one pass */
 #else
 /* rows_W: `rows` rows against one panel, one after another (the 16-lane paths keep a row's 64
  * columns of sums in four registers and read the panel once per row from L1 / L2). */
@@ -461,6 +463,7 @@ static void rows_i4k(ROWS_ARGS) {
 static void rows_i8k(ROWS_ARGS) {
     rows_qk(i8k_block, I8K_BIAS, I8K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf0, pf1);
 }
+#define PASS_ROWS 1                  /* a pass per row */
 #endif
 
 /* ---- the entries of i4k and i8k ---------------------------------------------------------- */
@@ -500,13 +503,9 @@ static void linear_qk(rows_k_fn panel, int64_t panel_bytes, const float *x, int6
             const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
             for (int64_t r = r0; r < r1; r += TILE_ROWS) {
                 const int rows = (int)(r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS);
-                /* The panel's first pass streams it from memory, prefetching ahead (into the
-                 * next panel at its end); its second prefetches the next panel, the thread's
-                 * next item, while it rereads this one from L2; later passes none. A call
-                 * makes one pass (AVX2's row tiles) or one per row (pf0, pf1: the first two). */
-                const int64_t call = r / TILE_ROWS;
-                const int64_t pf0 = call == 0 ? PREFETCH_AHEAD : call == 1 ? panel_bytes : 0;
-                const int64_t pf1 = call == 0 ? panel_bytes : 0;
+                const int64_t pass = r / PASS_ROWS;    /* the call's first pass over the panel */
+                const int64_t pf0 = pass_prefetch(pass, panel_bytes);
+                const int64_t pf1 = pass_prefetch(pass + 1, panel_bytes);
                 float out[TILE_ROWS * PANEL];
                 panel(q + r * k, s + r * nb, sums + r * nb, rows, k, group, panels + j * panel_bytes,
                       gscales + j * groups * PANEL, out, pf0, pf1);
