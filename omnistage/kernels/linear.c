@@ -375,7 +375,6 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
                    ? 2 : MR; \
     const int64_t num_panels = (n + PANEL - 1) / PANEL, tiles = (m + mr - 1) / mr; \
     const int64_t G = gscales != NULL ? group : (k > 0 ? k : 1), groups = (k + G - 1) / G; \
-    const int64_t panel_bytes = k * W##_ROW * (int64_t)sizeof(W##_t); \
     _Pragma("omp parallel") \
     { \
     float *f = deq ? malloc((size_t)k * PANEL * sizeof(float)) : NULL;  /* NULL: registers */ \
@@ -385,7 +384,7 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr, t = (int)(item % tiles); \
         const int near = t == 0 && rows <= 2;   /* the 4-vector tiles' decode rows (wide: far) */ \
-        const int64_t far = pass_prefetch(t, panel_bytes); \
+        const int64_t far = pass_prefetch(t); \
         const int64_t pf = near ? PREFETCH_NEAR : far; \
         const W##_t *p = panels + j * k * W##_ROW; \
         const float *gs = gscales != NULL ? gscales + j * groups * PANEL : NULL; \

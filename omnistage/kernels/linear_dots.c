@@ -261,12 +261,12 @@ static inline __attribute__((always_inline)) void panel_qk(
     const float *restrict gs, float *restrict out, int64_t pf
 
 /* Up to TILE_ROWS rows at once against one panel: row r's q, s and sums at r k, r k/32 and
- * r k/32, its outputs at out + r PANEL. pf0, pf1: the prefetch distances of the call's first
- * two passes over the panel (PASS_ROWS rows each). */
+ * r k/32, its outputs at out + r PANEL. pf: the prefetch distance of the call's first pass
+ * over the panel (PASS_ROWS rows; later passes read it from L2 and prefetch nothing). */
 #define TILE_ROWS 4
 #define ROWS_ARGS const int8_t *restrict q, const float *restrict s, \
     const int32_t *restrict sums, int rows, int64_t k, int64_t group, const uint8_t *restrict p, \
-    const float *restrict gs, float *restrict out, int64_t pf0, int64_t pf1
+    const float *restrict gs, float *restrict out, int64_t pf
 
 #if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
 /* The panels for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
@@ -398,7 +398,7 @@ typedef void (*tile8_fn)(int, const int8_t *, int64_t, const uint8_t *, int64_t,
                          __m256i[TILE_ROWS][2]);
 static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, int32_t bias, int bb,
                                                                const int R, ROWS_ARGS) {
-    (void)rows, (void)pf1;            /* one pass over the panel */
+    (void)rows;                       /* one pass over the panel */
     const int64_t nb = k / KB, per_group = group / KB;
     /* The float sums of R rows x 64 columns live in L1 (touched once per block and row-vector);
      * a block's four column quarters run one after another, so the panel is read in order
@@ -409,7 +409,7 @@ static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, in
         memset(acc, 0, sizeof acc);
         const int64_t b1 = b0 + per_group < nb ? b0 + per_group : nb;
         for (int64_t b = b0; b < b1; b++) {
-            prefetch_block(p + b * bb, bb, pf0);
+            prefetch_block(p + b * bb, bb, pf);
             for (int quarter = 0; quarter < PANEL / 16; quarter++) {
                 __m256i isum[TILE_ROWS][2];
                 for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
@@ -438,10 +438,10 @@ static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, in
 #define ROWS_AVX2(name, tile, bias, bb, single)                                               \
     static void name(ROWS_ARGS) {                                                             \
         switch (rows) {                                                                       \
-        case 4: rows_qk_avx2(tile, bias, bb, 4, q, s, sums, rows, k, group, p, gs, out, pf0, pf1); break; \
-        case 3: rows_qk_avx2(tile, bias, bb, 3, q, s, sums, rows, k, group, p, gs, out, pf0, pf1); break; \
-        case 2: rows_qk_avx2(tile, bias, bb, 2, q, s, sums, rows, k, group, p, gs, out, pf0, pf1); break; \
-        default: panel_qk_avx2(single, bias, bb, q, s, sums, k, group, p, gs, out, pf0);      \
+        case 4: rows_qk_avx2(tile, bias, bb, 4, q, s, sums, rows, k, group, p, gs, out, pf); break; \
+        case 3: rows_qk_avx2(tile, bias, bb, 3, q, s, sums, rows, k, group, p, gs, out, pf); break; \
+        case 2: rows_qk_avx2(tile, bias, bb, 2, q, s, sums, rows, k, group, p, gs, out, pf); break; \
+        default: panel_qk_avx2(single, bias, bb, q, s, sums, k, group, p, gs, out, pf);       \
         }                                                                                     \
     }
 ROWS_AVX2(rows_i4k, i4k_tile_avx2, 8, I4K_BLOCK_BYTES, i4k_block_avx2)
@@ -452,16 +452,16 @@ ROWS_AVX2(rows_i8k, i8k_tile_avx2, 0, I8K_BLOCK_BYTES, i8k_block_avx2)
  * columns of sums in four registers and read the panel once per row from L1 / L2). */
 static inline __attribute__((always_inline)) void rows_qk(block_fn block, int32_t bias, int bb,
                                                           ROWS_ARGS) {
-    for (int r = 0; r < rows; r++)      /* a pass per row: the first two prefetch */
+    for (int r = 0; r < rows; r++)      /* a pass per row: the first prefetches */
         panel_qk(block, bias, bb, q + r * k, s + r * (k / KB), sums + r * (k / KB), k, group, p,
-                 gs, out + r * PANEL, r == 0 ? pf0 : r == 1 ? pf1 : 0);
+                 gs, out + r * PANEL, r == 0 ? pf : 0);
 }
 
 static void rows_i4k(ROWS_ARGS) {
-    rows_qk(i4k_block, 8, I4K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf0, pf1);
+    rows_qk(i4k_block, 8, I4K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf);
 }
 static void rows_i8k(ROWS_ARGS) {
-    rows_qk(i8k_block, I8K_BIAS, I8K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf0, pf1);
+    rows_qk(i8k_block, I8K_BIAS, I8K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf);
 }
 #define PASS_ROWS 1                  /* a pass per row */
 #endif
@@ -469,7 +469,7 @@ static void rows_i8k(ROWS_ARGS) {
 /* ---- the entries of i4k and i8k ---------------------------------------------------------- */
 
 typedef void (*rows_k_fn)(const int8_t *, const float *, const int32_t *, int, int64_t, int64_t,
-                          const uint8_t *, const float *, float *, int64_t, int64_t);
+                          const uint8_t *, const float *, float *, int64_t);
 
 #define QK_ROWS 8                    /* rows per work item (one panel stays in cache) */
 #define QK_STACK 16384               /* quantized inputs that go on the stack (16 KB) */
@@ -504,11 +504,10 @@ static void linear_qk(rows_k_fn panel, int64_t panel_bytes, const float *x, int6
             for (int64_t r = r0; r < r1; r += TILE_ROWS) {
                 const int rows = (int)(r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS);
                 const int64_t pass = r / PASS_ROWS;    /* the call's first pass over the panel */
-                const int64_t pf0 = pass_prefetch(pass, panel_bytes);
-                const int64_t pf1 = pass_prefetch(pass + 1, panel_bytes);
+                const int64_t pf = pass_prefetch(pass);
                 float out[TILE_ROWS * PANEL];
                 panel(q + r * k, s + r * nb, sums + r * nb, rows, k, group, panels + j * panel_bytes,
-                      gscales + j * groups * PANEL, out, pf0, pf1);
+                      gscales + j * groups * PANEL, out, pf);
                 for (int i = 0; i < rows; i++)
                     for (int64_t c = 0; c < cols; c++)
                         y[(r + i) * ldy + n0 + c] = bias != NULL ? out[i * PANEL + c] + bias[n0 + c]
