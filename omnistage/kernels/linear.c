@@ -64,7 +64,7 @@
 #endif
 #define BLOCK (4 * LANES)          /* columns a tile computes */
 #define BLOCKS (PANEL / BLOCK)     /* column blocks per panel: 1 (AVX-512) or 2 */
-#define PREFETCH_NEAR 2048         /* bytes the streaming tiles of 1-2 rows prefetch ahead (L1) */
+#define PREFETCH_NEAR 2048         /* bytes the streaming 1-row tile prefetches ahead (L1) */
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -295,16 +295,18 @@ static void NAME(const float *restrict x, int64_t ldx, const W##_t *restrict p, 
 
 /* The tiles without prefetch (compute-bound batches: an `if (pf)` in the loop of the 8-lane
  * 3-row tile cost its register allocation 27% of a 512-row product), with the far one (every
- * line into L2: TILES_FAR) and, for decode's 1-2 rows, the near one they had before (TILES_NEAR;
- * the far kind gave a row alone nothing, past the cache or in the engine). */
+ * line into L2: TILES_FAR) and, for a decode row alone, the near one it had before (TILES_NEAR;
+ * the far kind gave it nothing, past the cache or in the engine). Two rows take the far kind:
+ * a mixture-of-experts decode step gives each active expert ~2 rows (float32 past the cache,
+ * 2 rows: 1024 x 512 83 -> 69 us, 512 x 512 45 -> 36, 32000 x 512 1.42 -> 1.31 ms). */
 #if MR == 6
 #define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3) \
     TILE(W, 4, PF, N##4) TILE(W, 5, PF, N##5) TILE(W, 6, PF, N##6)
 #else
 #define TILE_SET(W, PF, N) TILE(W, 1, PF, N##1) TILE(W, 2, PF, N##2) TILE(W, 3, PF, N##3)
 #endif
-#define TILES_NEAR(W) TILE(W, 1, 1, tile_near_##W##1) TILE(W, 2, 1, tile_near_##W##2) \
-    static const tile_##W##_fn TILES_NEAR_##W[3] = {NULL, tile_near_##W##1, tile_near_##W##2};
+#define TILES_NEAR(W) TILE(W, 1, 1, tile_near_##W##1) \
+    static const tile_##W##_fn TILES_NEAR_##W[2] = {NULL, tile_near_##W##1};
 #define TILE_FN(W) typedef void (*tile_##W##_fn)(const float *, int64_t, const W##_t *, int64_t, \
     int64_t, const float *, const float *, const float *, float *, int64_t, int, int64_t);
 #if MR == 6
@@ -357,8 +359,8 @@ static void dequant_##W(const W##_t *p, int64_t K, int64_t G, const float *gs, f
  * scales (i8) as above, NULL where the format has none; bias (N) or NULL; y (M, N) rows at
  * stride ldy. Work items panel-major: a thread's consecutive items share a panel, which stays
  * in L2 while the tiles of x stream past it (or its float32 copy, see DEQUANT).
- * Prefetch: each tile of rows is a pass over its panel (pass_prefetch, linear_call.h; decode's
- * 1-2 row 4-vector tiles keep their near kind). Without it, a tile of 3-6 rows computed
+ * Prefetch: each tile of rows is a pass over its panel (pass_prefetch, linear_call.h; a
+ * decode row alone keeps its near kind). Without it, a tile of 3-6 rows computed
  * while it waited on memory, the hardware prefetcher alone keeping few lines in flight: 2
  * threads of an Intel Xeon (KVM), float32 weights past the cache, 32000x512 at 4 / 8 rows
  * 3.4 / 4.2 -> 2.0 / 2.9 ms, 1024x512 at 4 / 8 rows 110 / 133 -> 64 / 93 us. The last,
@@ -383,7 +385,7 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
     for (int64_t item = 0; item < num_panels * tiles; item++) { \
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr, t = (int)(item % tiles); \
-        const int near = t == 0 && rows <= 2;   /* the 4-vector tiles' decode rows (wide: far) */ \
+        const int near = t == 0 && rows == 1;   /* the 4-vector tiles' decode row (wide: far) */ \
         const int64_t far = pass_prefetch(t); \
         const int64_t pf = near ? PREFETCH_NEAR : far; \
         const W##_t *p = panels + j * k * W##_ROW; \
