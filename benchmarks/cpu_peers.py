@@ -19,6 +19,9 @@ Per pair of runs, A (ours) then B (llama.cpp), `--pairs` times, each measuring:
 - prefill: a 512-token prompt, tok/s (llama-bench pp512; ours: generate with one new token);
 - parallel N: N prompts of 128 random tokens + 128 generated each, generated tokens / wall
   time, prefill included (llama-batched-bench -npp 128 -ntg 128 -npl N: pl * tg / t).
+KV cache: llama.cpp keeps its default, f16 (16 bits a value); ours its default, float32, unless
+`--kv-cache-dtype bfloat16` (16 bits a value as well: the same bytes per step to read as the
+peer's; at 32 prompts of 256 positions the cache is read as much as the weights).
 Every run is printed, then per figure the median of the per-pair ratios ours / llama.cpp. The
 read bandwidth (benchmarks/bandwidth.py) is measured at the start and the end, and with it the
 bound on single-stream decode for each format's bytes. The last stdout line is one JSON object.
@@ -169,11 +172,11 @@ class LlamaCpp:
 
 # ---- ours --------------------------------------------------------------------------------------
 class Ours:
-    def __init__(self, model_dir: Path, quantization: str, seed: int):
+    def __init__(self, model_dir: Path, quantization: str, seed: int, kv_cache_dtype: str = "auto"):
         from omnistage import Omni
 
         self.omni = Omni(str(model_dir), quantization=quantization, enable_prefix_caching=False,
-                         max_model_len=1024, max_num_seqs=64)
+                         max_model_len=1024, max_num_seqs=64, kv_cache_dtype=kv_cache_dtype)
         self.vocab = self.omni.engine.llm.model.config.vocab_size
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -245,6 +248,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--isa", choices=sorted(ISAS), default="native",
                     help="native: both engines built for this CPU; avx2: both held to AVX2 + FMA "
                          "(what a CPU without AVX-512 runs; a proxy on this one's cores and memory)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="our KV cache (auto: the model's float32; llama.cpp keeps its f16)")
     ap.add_argument("--out-json")
     args = ap.parse_args(argv)
     _hold_to_isa(args.isa, argv)
@@ -263,13 +268,15 @@ def main(argv=None) -> dict:
         build_tiny("qwen2", model_dir, size="small")
     files = gguf_files(folder, src, binaries, model_dir)
     cpu = cpu_description()
-    log(f"{cpu_line(cpu)}; {args.threads} threads; both engines built for {args.isa}")
+    log(f"{cpu_line(cpu)}; {args.threads} threads; both engines built for {args.isa}; KV cache: ours "
+        f"{args.kv_cache_dtype}, llama.cpp f16")
     report = {"cpu": cpu, "isa": args.isa, "threads": args.threads, "model": str(model_dir), "peer": f"llama.cpp from "
-              f"llama-cpp-python {PEER_VERSION}", "bandwidth_start": measure_read_bandwidth(threads=args.threads)}
+              f"llama-cpp-python {PEER_VERSION}", "kv_cache_dtype": {"ours": args.kv_cache_dtype, "llama.cpp": "f16"},
+              "bandwidth_start": measure_read_bandwidth(threads=args.threads)}
     llama = LlamaCpp(binaries, args.threads)
     results = {}
     for label, gtype, quant, same_file in [f for f in FORMATS if f[0] in wanted]:
-        ours = Ours(files[gtype] if same_file else model_dir, quant, seed=0)
+        ours = Ours(files[gtype] if same_file else model_dir, quant, seed=0, kv_cache_dtype=args.kv_cache_dtype)
         ours.decode(), llama.decode(files[gtype])                       # warm-ups, not counted
         runs = []
         for i in range(args.pairs):
