@@ -36,6 +36,7 @@ SOURCES = {
     "aa_snake.c": [()],
     "code2wav_unit.c": [()],
     "window_attention.c": [("-DHEAD_DIM=64", "-DBLOCK=24"), ("-DHEAD_DIM=64", "-DBLOCK=24", "-DIO_BF16=1")],
+    "argmax.c": [()],
 }
 
 

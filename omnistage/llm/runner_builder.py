@@ -11,11 +11,13 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.kernels.build import pick_native
+from omnistage.kernels.argmax import ArgmaxKernel
+from omnistage.kernels.build import NativeBuildError, pick_native
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.layers.linear import native_kernel_for, pack_linears, weight_format
 from omnistage.layers.onednn import onednn_linear_available
 from omnistage.llm.model_runner import ModelRunner
+from omnistage.llm.sampler import RowArgmax, torch_argmax
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +49,25 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
     kv = kv_cache_config(config, model, kv_dtype)
     attention = attention_kernel(config, model, device, dtype, kv_dtype)
     runner = ModelRunner(model, kv.num_blocks, kv.block_size, dtype, device, eos_ids,
-                         config.seed, attention, kv_dtype)
+                         config.seed, attention, kv_dtype, row_argmax(linear))
     if linear.startswith("native") and attention is not None:
         # Native linears and attention: the layer loop can run in C as well (one call a step).
         if model.use_native_stack(attention, runner.caches):
             log.info("decoder layers as one native call per step")
     runner.keep_prompt_rows = config.enable_prefix_caching
     return RunnerSetup(runner, kv, linear, "torch" if attention is None else "native")
+
+
+def row_argmax(linear: str) -> RowArgmax:
+    """The sampler's argmax: the native one where the linear layers run natively (the logits are
+    on the CPU; the same answers as torch's, ~5x faster: kernels/argmax.c), else torch's."""
+    if not linear.startswith("native"):
+        return torch_argmax
+    try:
+        return ArgmaxKernel()
+    except NativeBuildError as e:
+        log.info("sampler argmax without the native kernel: %s", e)
+        return torch_argmax
 
 
 def choose_linear_kernel(config: EngineConfig, model: torch.nn.Module, device: torch.device,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,6 +32,17 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # top_k/top_p first look at this many largest logits per row (topk), then 8x as many, and sort
 # the whole row only when some row's top_p nucleus is longer still. All routes give the same cut.
 SORT_HEAD = 1024
+
+
+class RowArgmax(Protocol):
+    """(B, V) float32 -> (B,) int64, as `x.argmax(dim=-1)`: the first index of each row's
+    largest value (of its first NaN where it has one). kernels.argmax.ArgmaxKernel is one."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -100,11 +112,14 @@ class Sampler:
 
     sort_head: how many of a row's largest logits top_k/top_p examine before falling back to a
     full sort (a speed knob only; results do not depend on it).
+    argmax: the row argmax of greedy rows and of the sampled rows' exponential race (torch's,
+    or the native kernel on CPU, llm/runner_builder.py: the same answers, ~5x faster).
     """
 
-    def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD):
+    def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD, argmax: RowArgmax = torch_argmax):
         self.seed = seed
         self.sort_head = sort_head
+        self.argmax = argmax
         self._generators: dict[torch.device, torch.Generator] = {}  # lazily, one per device
 
     def default_generator(self, device: torch.device) -> torch.Generator:
@@ -120,7 +135,7 @@ class Sampler:
             raise ValueError(f"logits must be (B, V) with B={len(batch)}, got {tuple(logits.shape)}")
         plan = _Plan.of(batch)
         if plan.pure_greedy:  # fast path: one argmax (float(): bf16 argmax is slow on CPU)
-            return SamplerOutput(logits.float().argmax(dim=-1), None, None, None)
+            return SamplerOutput(self.argmax(logits.float()), None, None, None)
 
         raw = logits.float()  # (B, V); aliases `logits` when it is already float32: never edit in place
         x = raw.clone() if (plan.any_banned or plan.penalty_rows) else raw
@@ -138,10 +153,10 @@ class Sampler:
         """x: (B, V) float32 processed logits -> (B,) int64 ids (argmax for greedy rows)."""
         rows = plan.sample_rows
         if not rows:
-            return x.argmax(dim=-1)
+            return self.argmax(x)
         if len(rows) == x.shape[0]:
             return self._sample(x, batch.params, batch.generators)
-        token_ids = x.argmax(dim=-1)  # (B,); sampled rows overwritten below
+        token_ids = self.argmax(x)  # (B,); sampled rows overwritten below
         idx = torch.tensor(rows, dtype=torch.long, device=x.device)
         token_ids[idx] = self._sample(x[idx], [batch.params[i] for i in rows],
                                       [batch.generators[i] for i in rows])
@@ -171,7 +186,7 @@ class Sampler:
         # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
         # In log space: argmax_i x_i - log E_i (softmax's normaliser is constant per row).
         log_e = self._log_exponential(R, V, gens, x.device)  # (R, V)
-        return x.sub_(log_e).argmax(dim=-1)
+        return self.argmax(x.sub_(log_e))
 
     def _log_exponential(self, R: int, V: int, gens: list[torch.Generator | None],
                          device: torch.device) -> torch.Tensor:
