@@ -10,15 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "vec16.h"                    /* vf, vi (16 lanes), load, splat, vmax, vge */
+#include "vec16.h"                    /* vf, vi (16 lanes), load, splat, vmax, vge, any_lane */
 
 #define PARALLEL_ELEMENTS 65536       /* fewer logits than this run on one thread */
-
-static inline int any_set(vi m) {
-    int32_t acc = 0;
-    for (int k = 0; k < LANES; k++) acc |= m[k];
-    return acc != 0;
-}
 
 /* The first index i >= from with x[i] >= best, or with x[i] a NaN when nan (n when none). */
 static int64_t first_at_least(const float *x, int64_t n, float best, int nan) {
@@ -26,7 +20,7 @@ static int64_t first_at_least(const float *x, int64_t n, float best, int nan) {
     for (; i + LANES <= n; i += LANES) {
         const vf v = load(x + i);
         const vi hit = nan ? ~vge(v, v) : vge(v, splat(best));   /* NaN: unordered with itself */
-        if (any_set(hit))
+        if (any_lane(hit))
             for (int k = 0; k < LANES; k++)
                 if (hit[k]) return i + k;
     }
@@ -50,7 +44,7 @@ static int64_t row_argmax(const float *x, int64_t n) {
         tail_nan |= x[i] != x[i];
         best = x[i] > best ? x[i] : best;
     }
-    const int has_nan = any_set(nan) || tail_nan;
+    const int has_nan = any_lane(nan) || tail_nan;
     return first_at_least(x, n, best, has_nan);    /* every value -inf: 0, as torch gives */
 }
 

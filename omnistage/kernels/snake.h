@@ -30,12 +30,6 @@ static inline __attribute__((always_inline)) vf vsin_squared(vf a) {
     return vselect(odd, splat(1.0f) - s2, s2);
 }
 
-static inline int any_lane(vi m) {
-    int32_t acc = 0;
-    for (int k = 0; k < LANES; k++) acc |= m[k];
-    return acc != 0;
-}
-
 /* Lanes the polynomial cannot take: |a| > REDUCE_LIMIT (the float reduction loses digits),
  * inf or NaN (every comparison with NaN is false). */
 static inline vi out_of_range(vf a) {

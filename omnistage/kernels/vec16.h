@@ -100,6 +100,13 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
 }
 
 
+/* Whether any lane of a mask is set. */
+static inline int any_lane(vi m) {
+    int32_t acc = 0;
+    for (int k = 0; k < LANES; k++) acc |= m[k];
+    return acc != 0;
+}
+
 static inline float max_lanes(vf v) {
     float m = v[0];
     for (int i = 1; i < LANES; i++) m = v[i] > m ? v[i] : m;
