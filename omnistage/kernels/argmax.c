@@ -14,7 +14,42 @@
 
 #define PARALLEL_ELEMENTS 65536       /* fewer logits than this run on one thread */
 
-/* The first index i >= from with x[i] >= best, or with x[i] a NaN when nan (n when none). */
+#if defined(__AVX__) && !defined(__AVX512F__)
+/* Where vectors are 256 bits: the loops in 8-lane registers. Written with the 16-lane types,
+ * GCC kept the running maximum and the NaN mask on the stack, moved through general registers
+ * at every step (80 us for 32000 logits, against 7.6 with AVX-512). A NaN-free row's maximum
+ * is exact either way (max_ps differs from the 16-lane select only where a NaN is). */
+#include <immintrin.h>
+
+static int64_t row_argmax(const float *x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m = _mm256_max_ps(m, v);
+    }
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, m);
+    for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
+    int has_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t t = i; t < n; t++) {
+        has_nan |= x[t] != x[t];
+        best = x[t] > best ? x[t] : best;
+    }
+    const __m256 b = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= n; i += 8) {        /* the first index that reaches it (or a NaN) */
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const int hit = _mm256_movemask_ps(has_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                   : _mm256_cmp_ps(v, b, _CMP_GE_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (has_nan ? x[i] != x[i] : x[i] >= best) return i;
+    return n;
+}
+#else
+/* The first index i with x[i] >= best, or with x[i] a NaN when nan (n when none). */
 static int64_t first_at_least(const float *x, int64_t n, float best, int nan) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
@@ -47,6 +82,7 @@ static int64_t row_argmax(const float *x, int64_t n) {
     const int has_nan = any_lane(nan) || tail_nan;
     return first_at_least(x, n, best, has_nan);    /* every value -inf: 0, as torch gives */
 }
+#endif
 
 /* out[r] = argmax of row r: x (rows, n), row r at x + r * ld; n >= 1. */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *out) {

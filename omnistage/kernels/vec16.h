@@ -100,12 +100,22 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
 }
 
 
-/* Whether any lane of a mask is set. */
+/* Whether any lane of a mask is set (with 256-bit registers one test a half: the loop over
+ * lanes extracted each lane from its register, argmax.c's second pass 2.8% of a 64-prompt run
+ * under AVX2). */
+#if defined(__AVX__) && !defined(__AVX512F__)
+static inline int any_lane(vi m) {
+    const vi_halves u = {m};
+    const __m256i a = _mm256_castps_si256(u.h[0]), b = _mm256_castps_si256(u.h[1]);
+    return !_mm256_testz_si256(a, a) || !_mm256_testz_si256(b, b);
+}
+#else
 static inline int any_lane(vi m) {
     int32_t acc = 0;
     for (int k = 0; k < LANES; k++) acc |= m[k];
     return acc != 0;
 }
+#endif
 
 static inline float max_lanes(vf v) {
     float m = v[0];
