@@ -100,9 +100,8 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
 }
 
 
-/* Whether any lane of a mask is set (with 256-bit registers one test a half: the loop over
- * lanes extracted each lane from its register, argmax.c's second pass 2.8% of a 64-prompt run
- * under AVX2). */
+/* Whether any lane of a mask is set (with 256-bit registers one test a half, where the loop
+ * over lanes extracts each lane from its register). */
 #if defined(__AVX__) && !defined(__AVX512F__)
 static inline int any_lane(vi m) {
     const vi_halves u = {m};
