@@ -386,7 +386,7 @@ void linear_##W(const float *x, int64_t ldx, const W##_t *panels, const float *g
         const int64_t j = item / tiles, m0 = item % tiles * mr, n0 = j * PANEL; \
         const int rows = m - m0 < mr ? (int)(m - m0) : mr, t = (int)(item % tiles); \
         const int near = t == 0 && rows == 1;   /* the 4-vector tiles' decode row (wide: far) */ \
-        const int64_t far = pass_prefetch(t); \
+        const int64_t far = pass_prefetch(t == 0); \
         const int64_t pf = near ? PREFETCH_NEAR : far; \
         const W##_t *p = panels + j * k * W##_ROW; \
         const float *gs = gscales != NULL ? gscales + j * groups * PANEL : NULL; \

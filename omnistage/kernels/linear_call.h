@@ -34,11 +34,11 @@ static inline void product(const Linear *w, const float *x, float *y, int64_t ro
  * after which the next first pass found its panel in L2 and memory idled while it computed:
  * float32 2048 x 384 past the cache at 8 rows 98 -> 83 us, 32000 x 512 at 8 rows 1.90 -> 1.59
  * ms, 384 x 384 at 8 rows 20 -> 18, 18 rows 131 -> 125, 256 rows 1.28 -> 1.25 ms (2 threads,
- * Intel Xeon, AVX-512; the AVX2 build and int8k the same or 1-4% faster). -> pass `pass`'s
- * distance (0: none). */
+ * Intel Xeon, AVX-512; the AVX2 build and int8k the same or 1-4% faster). -> the distance of
+ * a pass over a panel, `first` whether it is the panel's first (0: none). */
 #define PREFETCH_AHEAD 16384
-static inline int64_t pass_prefetch(int64_t pass) {
-    return pass == 0 ? PREFETCH_AHEAD : 0;
+static inline int64_t pass_prefetch(int first) {
+    return first ? PREFETCH_AHEAD : 0;
 }
 
 #endif

@@ -262,7 +262,7 @@ static inline __attribute__((always_inline)) void panel_qk(
 
 /* Up to TILE_ROWS rows at once against one panel: row r's q, s and sums at r k, r k/32 and
  * r k/32, its outputs at out + r PANEL. pf: the prefetch distance of the call's first pass
- * over the panel (PASS_ROWS rows; later passes read it from L2 and prefetch nothing). */
+ * over the panel (later passes read it from L2 and prefetch nothing). */
 #define TILE_ROWS 4
 #define ROWS_ARGS const int8_t *restrict q, const float *restrict s, \
     const int32_t *restrict sums, int rows, int64_t k, int64_t group, const uint8_t *restrict p, \
@@ -446,7 +446,6 @@ static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, in
     }
 ROWS_AVX2(rows_i4k, i4k_tile_avx2, 8, I4K_BLOCK_BYTES, i4k_block_avx2)
 ROWS_AVX2(rows_i8k, i8k_tile_avx2, 0, I8K_BLOCK_BYTES, i8k_block_avx2)
-#define PASS_ROWS TILE_ROWS          /* a call's rows read the panel in one pass */
 #else
 /* rows_W: `rows` rows against one panel, one after another (the 16-lane paths keep a row's 64
  * columns of sums in four registers and read the panel once per row from L1 / L2). */
@@ -463,7 +462,6 @@ static void rows_i4k(ROWS_ARGS) {
 static void rows_i8k(ROWS_ARGS) {
     rows_qk(i8k_block, I8K_BIAS, I8K_BLOCK_BYTES, q, s, sums, rows, k, group, p, gs, out, pf);
 }
-#define PASS_ROWS 1                  /* a pass per row */
 #endif
 
 /* ---- the entries of i4k and i8k ---------------------------------------------------------- */
@@ -503,8 +501,7 @@ static void linear_qk(rows_k_fn panel, int64_t panel_bytes, const float *x, int6
             const int64_t cols = n - n0 < PANEL ? n - n0 : PANEL;
             for (int64_t r = r0; r < r1; r += TILE_ROWS) {
                 const int rows = (int)(r1 - r < TILE_ROWS ? r1 - r : TILE_ROWS);
-                const int64_t pass = r / PASS_ROWS;    /* the call's first pass over the panel */
-                const int64_t pf = pass_prefetch(pass);
+                const int64_t pf = pass_prefetch(r == 0);  /* the panel's first rows: its first pass */
                 float out[TILE_ROWS * PANEL];
                 panel(q + r * k, s + r * nb, sums + r * nb, rows, k, group, panels + j * panel_bytes,
                       gscales + j * groups * PANEL, out, pf);

@@ -23,7 +23,7 @@ def _rows(seed: int) -> list[torch.Tensor]:
     nan = torch.randn(6, 70, generator=g)
     for row, at in enumerate((0, 5, 15, 16, 63, 69)):                  # body lanes and the tail
         nan[row, at] = float("nan")
-        nan[row, (at + 11) % 70] = float("nan")                        # a later one too
+        nan[row, (at + 11) % 70] = float("nan")                        # and another, before or after
     cases.append(nan)
     special = torch.full((4, 37), float("-inf"))
     special[1, 20] = -0.0
