@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -45,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bandwidth import measure_read_bandwidth  # noqa: E402
-from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
+from benchmarks.machine import cpu_description, cpu_line, finish_report, hold_to_isa, other_load  # noqa: E402
 
 PEER_VERSION = "0.3.36"
 # (label, llama.cpp GGUF type, our quantization option, whether ours loads llama.cpp's file)
@@ -79,14 +78,9 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: float = 3600) -> str:
 
 
 # ---- the peer ----------------------------------------------------------------------------------
-# --isa: (llama.cpp's cmake options, the environment our side runs in). avx2: what a CPU without
-# AVX-512 (Zen 1-3, Haswell .. Comet Lake) runs, on this one: llama.cpp's generic x86 build
-# (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX), our kernels built
-# for x86-64-v3, torch's own kernels and oneDNN held to AVX2. A proxy: the cores, caches and
-# memory stay this machine's.
-ISAS = {"native": (["-DGGML_NATIVE=ON"], {}),
-        "avx2": (["-DGGML_NATIVE=OFF"], {"OMNISTAGE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
-                                         "ONEDNN_MAX_CPU_ISA": "AVX2"})}
+# --isa: llama.cpp's cmake options (our side's environment: machine.ISA_ENV). avx2: llama.cpp's
+# generic x86 build (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX).
+LLAMA_CMAKE = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
 
 
 def build_llama_cpp(folder: Path, isa: str = "native") -> tuple[Path, Path]:
@@ -105,8 +99,8 @@ def build_llama_cpp(folder: Path, isa: str = "native") -> tuple[Path, Path]:
     build = "build" if isa == "native" else f"build-{isa}"
     binaries = src / build / "bin"
     if not all((binaries / b).exists() for b in ("llama-bench", "llama-batched-bench", "llama-quantize")):
-        log(f"[peer] building llama.cpp ({' '.join(ISAS[isa][0])}): several minutes")
-        run(["cmake", "-B", build, *ISAS[isa][0], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+        log(f"[peer] building llama.cpp ({' '.join(LLAMA_CMAKE[isa])}): several minutes")
+        run(["cmake", "-B", build, *LLAMA_CMAKE[isa], "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
              "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], cwd=src)
         run(["cmake", "--build", build, "-j2", "--target", "llama-bench", "llama-batched-bench",
              "llama-quantize"], cwd=src)
@@ -222,17 +216,6 @@ def measure_pair(ours: Ours, llama: LlamaCpp, gguf: Path, counts: list[int]) -> 
     return a, b
 
 
-def _hold_to_isa(isa: str, argv: list[str] | None) -> None:
-    """Run this script again in the environment `isa` needs (torch reads it at import), unless
-    it already is that environment."""
-    env = ISAS[isa][1]
-    if all(os.environ.get(k) == v for k, v in env.items()):
-        return
-    log(f"[ours] {' '.join(f'{k}={v}' for k, v in env.items())}: running again in that environment")
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.cpu_peers", *args], {**os.environ, **env})
-
-
 def main(argv=None) -> dict:
     from omnistage.paths import cache_dir
 
@@ -245,14 +228,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--formats", default=",".join(f[0] for f in FORMATS),
                     help=f"comma-separated labels of the pairs to run (default: all: "
                          f"{', '.join(f[0] for f in FORMATS)})")
-    ap.add_argument("--isa", choices=sorted(ISAS), default="native",
+    ap.add_argument("--isa", choices=sorted(LLAMA_CMAKE), default="native",
                     help="native: both engines built for this CPU; avx2: both held to AVX2 + FMA "
                          "(what a CPU without AVX-512 runs; a proxy on this one's cores and memory)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our KV cache (auto: the model's float32; llama.cpp keeps its f16)")
     ap.add_argument("--out-json")
     args = ap.parse_args(argv)
-    _hold_to_isa(args.isa, argv)
+    hold_to_isa("benchmarks.cpu_peers", args.isa, argv)
     wanted = args.formats.split(",")
     unknown = set(wanted) - {f[0] for f in FORMATS}
     if unknown:

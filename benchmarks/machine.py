@@ -72,3 +72,28 @@ def cpu_description() -> dict:
 
 def cpu_line(cpu: dict) -> str:
     return f"[cpu] {cpu['model']}; {' '.join(cpu['extensions']) or 'no vector extensions listed'}"
+
+
+# --isa avx2: what a CPU without AVX-512 (Zen 1-3, Haswell .. Comet Lake) runs, held on this one:
+# our kernels built for x86-64-v3, and every library that picks its code at run time held to
+# AVX2: ATen's own kernels, oneDNN, and MKL (torch's BLAS: F.linear, matmul; unheld, the
+# transformers side of a run kept AVX-512 GEMMs while ours ran AVX2 ones). A proxy: the cores,
+# caches and memory stay this machine's.
+ISA_ENV = {"native": {},
+           "avx2": {"OMNISTAGE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def hold_to_isa(module: str, isa: str, argv: list[str] | None) -> None:
+    """Run `python -m module` again (same arguments) in the environment `isa` needs, since
+    torch and its libraries read it when loaded; returns at once when this process already
+    runs in it."""
+    import sys
+
+    env = ISA_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    print(f"[isa] {' '.join(f'{k}={v}' for k, v in env.items())}: running again in that environment",
+          file=sys.stderr, flush=True)
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **env})

@@ -49,7 +49,7 @@ if __package__ in (None, ""):  # run as a file: make `benchmarks` importable
 
 from benchmarks import omni_peers  # noqa: E402
 from benchmarks.llm_throughput import _busy_note, _engine_option, log  # noqa: E402
-from benchmarks.machine import cpu_description, cpu_line, finish_report, other_load  # noqa: E402
+from benchmarks.machine import cpu_description, cpu_line, finish_report, hold_to_isa, ISA_ENV, other_load  # noqa: E402
 from benchmarks.omni_peers import percentile, print_breakdown, print_table, summarize  # noqa: E402
 from benchmarks.qwen3_omni_peer import frames_from_windows  # noqa: E402
 
@@ -84,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-requests", type=int, default=2,
                    help="transformers requests, one at a time (~8 s each on the small Qwen2.5-Omni)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers side")
+    p.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
+                   help="native: every library's best code for this CPU; avx2: both engines held "
+                        "to AVX2 + FMA (our kernels, ATen, oneDNN, MKL: what a CPU without AVX-512 "
+                        "runs; a proxy on this one's cores and memory)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads on both sides (default: torch's choice)")
     p.add_argument("--text-tokens", type=int, default=64)
@@ -595,14 +599,15 @@ def main(argv: list[str] | None = None) -> dict:
     # own: a second team besides the engine thread's halves the engine's speed.
     serial_torch_thread()
     args = parse_args(argv)
+    hold_to_isa("benchmarks.omni_e2e", args.isa, argv)
     args.model_dir, args.family = resolve_family(args)
     finish_args(args)
     built = not args.model or args.model in ARCHITECTURES.values()
     report = {"model": str(args.model_dir), "family": args.family, "size": args.size if built else None,
               "workload": workload(args), "threads": args.threads, "code": code_state(), "errors": {},
               "load_avg_start": os.getloadavg(), "cpu_count": os.cpu_count(),
-              "cpu": cpu_description()}
-    log(cpu_line(report["cpu"]))
+              "cpu": cpu_description(), "isa": args.isa}
+    log(f"{cpu_line(report['cpu'])}; libraries held to {args.isa}")
     what = "frames" if args.family == QWEN3 else "codes"
     log(f"[workload] {args.family} model {args.model_dir}; {args.text_tokens} text tokens and "
         f"{args.codec_tokens} {what} ({report['workload']['audio_s_per_request']:.2f} s of audio) "

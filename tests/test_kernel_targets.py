@@ -21,6 +21,7 @@ KERNELS = Path(build.__file__).parent
 TARGETS = {
     "x86-64": (),                        # SSE2 only: the vector extensions' generic lowering
     "haswell": (),                       # AVX2 + FMA, 8-lane paths
+    "alderlake": (),                     # AVX2 + AVX-VNNI (8-lane vpdpbusd), no AVX-512
     "skylake-avx512": (),                # AVX-512 F/BW without VNNI
     "sapphirerapids": (),                # AVX-512 VNNI / BF16
     "sapphirerapids-narrow": ("-DOMNISTAGE_NO_AVX512=1", "-mno-avx512f"),  # wide_vectors=False

@@ -89,10 +89,11 @@ def march() -> str:
 
 
 def without_vnni() -> tuple[str, ...]:
-    """The compiler flags that build a kernel's AVX-512 paths without VNNI's integer dot
-    products (vpdpbusd; Skylake-SP / -X Xeons have AVX-512BW but not VNNI): the path those
-    CPUs take, so that it is run and tested everywhere."""
-    return ("-mno-avx512vnni",) if platform.machine().lower() in ("x86_64", "amd64") else ()
+    """The compiler flags that build a kernel's paths without VNNI's integer dot products
+    (vpdpbusd): AVX-512 without it (Skylake-SP / -X Xeons have AVX-512BW but not VNNI), and
+    with narrow_vectors() AVX2 without AVX-VNNI (Zen 1-3, Haswell .. Comet Lake): the paths
+    those CPUs take, so that they are run and tested everywhere."""
+    return ("-mno-avx512vnni", "-mno-avxvnni") if platform.machine().lower() in ("x86_64", "amd64") else ()
 
 
 def wide_vectors() -> tuple[str, ...]:

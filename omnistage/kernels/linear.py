@@ -42,7 +42,8 @@ class NativeLinearKernel:
 
     wide_vectors=False builds the AVX2-width path (8 lanes, 3-row tiles) even on a CPU with
     AVX-512: the path CPUs without it take, so it is tested everywhere; vnni=False the
-    AVX-512 path of CPUs without VNNI (int4k / int8k dot products through AVX-512BW)."""
+    paths of CPUs without VNNI (int4k / int8k dot products through AVX-512BW, or with
+    wide_vectors=False plain AVX2 instead of AVX-VNNI)."""
 
     def __init__(self, wide_vectors: bool = True, vnni: bool = True):
         defines, flags = ({}, ()) if wide_vectors else narrow_vectors()

@@ -269,6 +269,21 @@ static inline __attribute__((always_inline)) void panel_qk(
     const float *restrict gs, float *restrict out, int64_t pf
 
 #if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
+/* AVX-VNNI (Alder Lake and later cores without AVX-512, Zen 5): vpdpbusd on 256-bit vectors,
+ * unsigned weight bytes x signed activations summed 4 to a lane in one instruction, where
+ * plain AVX2 takes three or four (sign, maddubs, madd, add) on the same two ports. The weights
+ * then go in as stored (i8k: w + 128, taken off as 128 sum q, I8K_AVX2_BIAS; i4k: the
+ * nibbles, as the AVX-512 VNNI path): the same integers, so the same bits on every path. */
+#if defined(__AVXVNNI__)
+#define AVX2_VNNI 1
+#define I8K_AVX2_BIAS 128
+static inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+}
+#else
+#define AVX2_VNNI 0
+#define I8K_AVX2_BIAS 0
+#endif
 /* The panels for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
  * above are pairs of registers on AVX2, and their 4 x 3 arrays (96 registers' worth) lived on
  * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the
@@ -278,6 +293,22 @@ static inline __attribute__((always_inline)) void panel_qk(
  * q with w's sign, pairs within int16), unbiased. */
 static inline void i4k_block_avx2(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
                                   __m256i i[8]) {
+#if AVX2_VNNI
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int c = 0; c < KB / 8; c++) {
+        const uint8_t *w = p + (b * (KB / 8) + c) * 256;
+        int32_t lo4, hi4;
+        memcpy(&lo4, q + b * KB + 8 * c, 4);
+        memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
+        const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
+        for (int h = 0; h < 8; h++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+            i[h] = dot4_avx2(dot4_avx2(i[h], _mm256_and_si256(u, nib), xl),
+                             _mm256_and_si256(_mm256_srli_epi16(u, 4), nib), xh);
+        }
+    }
+    return;
+#endif
     /* The pairs' int16 sums of the block's 4 chunks add up before one widening madd: each
      * maddubs lane <= 2 * 15 * 127, a chunk's two <= 7620, four chunks <= 30480 < 2^15. */
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -308,6 +339,10 @@ static inline void i8k_block_avx2(const int8_t *restrict q, const uint8_t *restr
         memcpy(&x4, q + b * KB + 4 * c, 4);
         const __m256i x = _mm256_set1_epi32(x4);
         for (int h = 0; h < 8; h++) {
+#if AVX2_VNNI
+            i[h] = dot4_avx2(i[h], _mm256_loadu_si256((const __m256i *)(wp + 32 * h)), x);
+            continue;
+#endif
             const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32 * h)), flip);
             const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
             i[h] = _mm256_add_epi32(i[h], _mm256_madd_epi16(pr, ones));
@@ -357,6 +392,15 @@ static inline __attribute__((always_inline)) void i8k_tile_avx2(
     for (int c = 0; c < KB / 4; c++) {
         const uint8_t *wp = p + (b * (KB / 4) + c) * 256 + 64 * quarter;
         for (int v = 0; v < 2; v++) {
+#if AVX2_VNNI
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(wp + 32 * v));
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, q + r * k + b * KB + 4 * c, 4);
+                isum[r][v] = dot4_avx2(isum[r][v], u, _mm256_set1_epi32(x4));
+            }
+            continue;
+#endif
             const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32 * v)), flip);
             const __m256i a = _mm256_abs_epi8(w);
             for (int r = 0; r < R; r++) {
@@ -372,6 +416,25 @@ static inline __attribute__((always_inline)) void i8k_tile_avx2(
 static inline __attribute__((always_inline)) void i4k_tile_avx2(
         const int R, const int8_t *restrict q, int64_t k, const uint8_t *restrict p, int64_t b,
         int quarter, __m256i isum[TILE_ROWS][2]) {
+#if AVX2_VNNI
+    const __m256i nib = _mm256_set1_epi8(15);
+    #pragma GCC unroll 1
+    for (int c = 0; c < KB / 8; c++) {
+        const uint8_t *w = p + (b * (KB / 8) + c) * 256 + 64 * quarter;
+        for (int v = 0; v < 2; v++) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * v));
+            const __m256i lo = _mm256_and_si256(u, nib), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), nib);
+            for (int r = 0; r < R; r++) {
+                int32_t lo4, hi4;
+                memcpy(&lo4, q + r * k + b * KB + 8 * c, 4);
+                memcpy(&hi4, q + r * k + b * KB + 8 * c + 4, 4);
+                isum[r][v] = dot4_avx2(dot4_avx2(isum[r][v], lo, _mm256_set1_epi32(lo4)),
+                                       hi, _mm256_set1_epi32(hi4));
+            }
+        }
+    }
+    return;
+#endif
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256i pairs[TILE_ROWS][2];                /* int16 sums of the block (i4k_block_avx2) */
     for (int r = 0; r < R; r++) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
@@ -445,7 +508,7 @@ static inline __attribute__((always_inline)) void rows_qk_avx2(tile8_fn tile, in
         }                                                                                     \
     }
 ROWS_AVX2(rows_i4k, i4k_tile_avx2, 8, I4K_BLOCK_BYTES, i4k_block_avx2)
-ROWS_AVX2(rows_i8k, i8k_tile_avx2, 0, I8K_BLOCK_BYTES, i8k_block_avx2)
+ROWS_AVX2(rows_i8k, i8k_tile_avx2, I8K_AVX2_BIAS, I8K_BLOCK_BYTES, i8k_block_avx2)
 #else
 /* rows_W: `rows` rows against one panel, one after another (the 16-lane paths keep a row's 64
  * columns of sums in four registers and read the panel once per row from L1 / L2). */

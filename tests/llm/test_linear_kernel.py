@@ -36,6 +36,12 @@ def no_vnni_kernel(c_compiler) -> NativeLinearKernel:
     return NativeLinearKernel(vnni=False)
 
 
+@pytest.fixture(scope="module")
+def narrow_no_vnni_kernel(c_compiler) -> NativeLinearKernel:
+    """The 8-lane path without AVX-VNNI (int4k / int8k through maddubs: Zen 1-3, Haswell)."""
+    return NativeLinearKernel(wide_vectors=False, vnni=False)
+
+
 EXACT = dict(int4_activations="float32", int8_activations="float32")
 FORMATS = [WeightFormat("float32"), WeightFormat("bfloat16"), WeightFormat("int8"),
            WeightFormat("int8", **EXACT), WeightFormat("int4", 32), WeightFormat("int4", 7),
@@ -64,10 +70,12 @@ def activations(x: torch.Tensor, packed) -> torch.Tensor:
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
-def test_matches_float64_product(kernel, narrow_kernel, no_vnni_kernel, m, n, k, bias, fmt):
+def test_matches_float64_product(kernel, narrow_kernel, no_vnni_kernel, narrow_no_vnni_kernel,
+                                 m, n, k, bias, fmt):
     """The product of x and the weights as the format stores them (dequantized), within
     float32 summation error; the AVX2-width path gives the same bits (each output is the same
-    chain of FMAs in either), as does AVX-512 without VNNI (the same integer sums)."""
+    chain of FMAs in either), as do the paths without VNNI (the same integer sums: AVX-512BW,
+    and AVX2's maddubs where the 8-lane build here has AVX-VNNI)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w_t = torch.randn(k, n, generator=g)                 # (in, out), as TransposedLinear keeps it
     b = torch.randn(n, generator=g) if bias else None
@@ -84,6 +92,7 @@ def test_matches_float64_product(kernel, narrow_kernel, no_vnni_kernel, m, n, k,
     assert torch.equal(narrow_kernel(x, packed, b), got)
     if packed.format in ("int4k", "int8k"):
         assert torch.equal(no_vnni_kernel(x, packed, b), got)
+        assert torch.equal(narrow_no_vnni_kernel(x, packed, b), got)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
