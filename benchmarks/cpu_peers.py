@@ -3,6 +3,7 @@
     python -m benchmarks.cpu_peers                       # 3 pairs, 2 threads, the small Qwen2
     python -m benchmarks.cpu_peers --pairs 5 --parallel 1,8,32,64 --peer-dir /tmp/peers
     python -m benchmarks.cpu_peers --isa avx2     # both engines held to AVX2 + FMA (a proxy)
+    python -m benchmarks.cpu_peers --isa avx2-vnni   # the same plus AVX-VNNI (Alder Lake+)
 
 The peer is built here, in its own folder (`--peer-dir`, default `<omnistage cache>/peers`;
 never a CI step): llama.cpp from the llama-cpp-python 0.3.36 sdist (downloaded with pip),
@@ -79,8 +80,10 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: float = 3600) -> str:
 
 # ---- the peer ----------------------------------------------------------------------------------
 # --isa: llama.cpp's cmake options (our side's environment: machine.ISA_ENV). avx2: llama.cpp's
-# generic x86 build (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX).
-LLAMA_CMAKE = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"]}
+# generic x86 build (GGML_NATIVE=OFF: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512, no AMX);
+# avx2-vnni: that with its AVX-VNNI option (its q8_0 / q4_0 dot products through vpdpbusd).
+LLAMA_CMAKE = {"native": ["-DGGML_NATIVE=ON"], "avx2": ["-DGGML_NATIVE=OFF"],
+               "avx2-vnni": ["-DGGML_NATIVE=OFF", "-DGGML_AVX_VNNI=ON"]}
 
 
 def build_llama_cpp(folder: Path, isa: str = "native") -> tuple[Path, Path]:
@@ -230,7 +233,8 @@ def main(argv=None) -> dict:
                          f"{', '.join(f[0] for f in FORMATS)})")
     ap.add_argument("--isa", choices=sorted(LLAMA_CMAKE), default="native",
                     help="native: both engines built for this CPU; avx2: both held to AVX2 + FMA "
-                         "(what a CPU without AVX-512 runs; a proxy on this one's cores and memory)")
+                         "(what a CPU without AVX-512 runs; a proxy on this one's cores and memory); "
+                         "avx2-vnni: that plus AVX-VNNI (Intel cores without AVX-512 since Alder Lake)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="our KV cache (auto: the model's float32; llama.cpp keeps its f16)")
     ap.add_argument("--out-json")

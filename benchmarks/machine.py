@@ -78,10 +78,14 @@ def cpu_line(cpu: dict) -> str:
 # our kernels built for x86-64-v3, and every library that picks its code at run time held to
 # AVX2: ATen's own kernels, oneDNN, and MKL (torch's BLAS: F.linear, matmul; unheld, the
 # transformers side of a run kept AVX-512 GEMMs while ours ran AVX2 ones). A proxy: the cores,
-# caches and memory stay this machine's.
+# caches and memory stay this machine's. avx2-vnni: the same plus AVX-VNNI (int8 dot products
+# on 256-bit vectors: Intel's cores without AVX-512 since Alder Lake), our kernels built for
+# alderlake; this CPU must have avx_vnni.
 ISA_ENV = {"native": {},
            "avx2": {"OMNISTAGE_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
-                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+                    "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           "avx2-vnni": {"OMNISTAGE_KERNEL_MARCH": "alderlake", "ATEN_CPU_CAPABILITY": "avx2",
+                         "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
 def hold_to_isa(module: str, isa: str, argv: list[str] | None) -> None:

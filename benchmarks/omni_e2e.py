@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
                    help="native: every library's best code for this CPU; avx2: both engines held "
                         "to AVX2 + FMA (our kernels, ATen, oneDNN, MKL: what a CPU without AVX-512 "
-                        "runs; a proxy on this one's cores and memory)")
+                        "runs; a proxy on this one's cores and memory); avx2-vnni: that plus "
+                        "AVX-VNNI (Intel cores without AVX-512 since Alder Lake)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads on both sides (default: torch's choice)")
     p.add_argument("--text-tokens", type=int, default=64)
