@@ -1,5 +1,5 @@
 """The int8 product (kernels/linear_w8a8.c): exact integer sums against a reference computed
-here, the AMX, VNNI and plain C paths equal, a row's result independent of its batch, the
+here, the AMX, VNNI (AVX-512 and AVX-VNNI) and plain C paths equal, a row's result independent of its batch, the
 fused GELU, norm and gated residual, and its error against the float32 product."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from omnistage.kernels import build
 from omnistage.kernels.linear_w8a8 import GatedResidual, RowNorm, W8A8Kernel, pack_w8a8
 
 
@@ -18,7 +19,15 @@ def fast():
 
 @pytest.fixture(scope="module")
 def plain():
-    return W8A8Kernel(narrow=True)
+    return W8A8Kernel(narrow=True, vnni=False)
+
+
+@pytest.fixture(scope="module")
+def narrow():
+    """The 8-lane build: AVX-VNNI's 256-bit dot products where this CPU has them (else plain C)."""
+    kernel = W8A8Kernel(narrow=True)
+    assert kernel.vnni == (" avx_vnni" in build._cpu_flags())   # the path this CPU can test
+    return kernel
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
 
 @pytest.mark.parametrize("m,k,n", [(1, 4, 1), (5, 250, 70), (37, 256, 768), (13, 512, 129), (100, 7, 64)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_both_paths_equal_the_integer_reference(fast, plain, m, k, n, with_bias):
+def test_both_paths_equal_the_integer_reference(fast, plain, narrow, m, k, n, with_bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     x = torch.randn(m, k, generator=g) * 3
     w = torch.randn(n, k, generator=g) * 0.05
@@ -55,6 +64,7 @@ def test_both_paths_equal_the_integer_reference(fast, plain, m, k, n, with_bias)
     got = fast(x, packed, bias)
     assert torch.equal(got, want)
     assert torch.equal(plain(x, packed, bias), want)
+    assert torch.equal(narrow(x, packed, bias), want)
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 64), (31, 256, 70), (32, 250, 129), (70, 1000, 200),
@@ -138,7 +148,7 @@ def test_bad_shapes_and_activations_are_refused(fast):
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 256, 64), (70, 256, 200), (37, 1000, 70), (5, 7, 3), (130, 64, 129)])
-def test_norm_before_and_gated_residual_after_in_the_same_call(fast, plain, vnni, m, k, n):
+def test_norm_before_and_gated_residual_after_in_the_same_call(fast, plain, vnni, narrow, m, k, n):
     """A LayerNorm (weight and bias) on each row as it is quantized, and res + gate * y after
     (the DiT's modulated norm and gated residual): what the separate torch steps give, within
     float rounding of the norm (an input one ulp away may round to the next int8 step); the
@@ -154,7 +164,7 @@ def test_norm_before_and_gated_residual_after_in_the_same_call(fast, plain, vnni
     step = (h.abs().amax() / 127 * packed.scales.abs().max() * 127 * gate.abs().max()).item()
     assert (got - want).abs().max().item() <= 3 * step
     assert (got - want).abs().le(1e-5 * (1 + want.abs())).float().mean() > 0.95
-    for other in (plain, vnni):
+    for other in (plain, vnni, narrow):
         assert torch.equal(other(x, packed, bias, "gelu_tanh", norm=norm, residual=GatedResidual(res, gate)), got)
     r = m // 2
     alone = fast(x[r:r + 1], packed, bias, "gelu_tanh", norm=norm, residual=GatedResidual(res[r:r + 1], gate))

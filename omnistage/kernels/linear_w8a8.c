@@ -28,6 +28,9 @@
  * each saves a pass of torch over the rows in and out of the product, which at DiT sizes
  * (K = 256-1024) cost as much as the quantization itself.
  *
+ * AVX-VNNI (AVX2 cores with vpdpbusd, no AVX-512): the same dot products 8 lanes wide, the
+ * panel a quarter at a time (tile_sums); the same integer sums again.
+ *
  * AMX (Intel Xeon since Sapphire Rapids; the build has it where -march=native does, the caller
  * asks for it per call once linear_w8a8_amx() got the OS's permission): the same integer sums
  * from tile products, 32 rows x 32 columns x 64 inputs per four TDPBUSD, the panel layout read
@@ -61,6 +64,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#elif defined(__AVXVNNI__)
+#define W8A8_AVX_VNNI 1     /* vpdpbusd on 256-bit vectors (Intel cores without AVX-512 since Alder Lake) */
 #endif
 
 /* What linear_w8a8 fuses around the product (NULL: nothing). */
@@ -131,6 +136,13 @@ static void quantize_row(const float *restrict src, int64_t k, int64_t kp, uint8
     __m512 mx = _mm512_setzero_ps();
     for (; i + 16 <= k; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(src + i)));
     amax = _mm512_reduce_max_ps(mx);
+#elif defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mx = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(src + i), magnitude));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int l = 0; l < 8; l++) amax = fmaxf(amax, lanes[l]);
 #endif
     for (; i < k; i++) amax = fmaxf(amax, fabsf(src[i]));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -142,6 +154,21 @@ static void quantize_row(const float *restrict src, int64_t k, int64_t kp, uint8
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + i), vinv));
         q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), bias);
         _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(q));
+    }
+#elif defined(__AVX2__)
+    /* 32 codes at a time: int32 -> bytes by two saturating packs (1..255 pass unchanged),
+     * which interleave 128-bit lanes; one permute puts them back in order. */
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127), bias = _mm256_set1_epi32(128);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; i + 32 <= k; i += 32) {
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + i + 8 * j), vinv));
+            q[j] = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q[j], lo), hi), bias);
+        }
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(q[0], q[1]), _mm256_packus_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(dst + i), _mm256_permutevar8x32_epi32(bytes, order));
     }
 #endif
     for (; i < k; i++) {
@@ -205,6 +232,29 @@ static void tile_sums(const uint8_t *const rows[MR], const int8_t *restrict p, i
     }
     for (int i = 0; i < MR; i++)
         for (int v = 0; v < 4; v++) _mm512_storeu_si512(isum[i] + 16 * v, acc[i][v]);
+#elif defined(W8A8_AVX_VNNI)
+    /* 16 registers of 8 lanes: the panel in quarters of 16 columns (a chunk's 64 bytes of
+     * them, two vectors), MR rows x 2 accumulators each; the same integer sums. */
+    for (int q = 0; q < PANEL / 16; q++) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int64_t g = 0; g < k4; g++) {
+            const int8_t *w = p + g * 256 + 64 * q;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)w),
+                          w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+            for (int i = 0; i < MR; i++) {
+                int32_t a4;
+                memcpy(&a4, rows[i] + 4 * g, 4);
+                const __m256i a = _mm256_set1_epi32(a4);
+                acc[i][0] = _mm256_dpbusd_avx_epi32(acc[i][0], a, w0);
+                acc[i][1] = _mm256_dpbusd_avx_epi32(acc[i][1], a, w1);
+            }
+        }
+        for (int i = 0; i < MR; i++) {
+            _mm256_storeu_si256((__m256i *)(isum[i] + 16 * q), acc[i][0]);
+            _mm256_storeu_si256((__m256i *)(isum[i] + 16 * q + 8), acc[i][1]);
+        }
+    }
 #else
     for (int i = 0; i < MR; i++)
         for (int c = 0; c < PANEL; c++) isum[i][c] = 0;
@@ -394,9 +444,10 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     free(sx);
 }
 
-/* 1 where this build multiplies with VNNI (the fast path), 0 on the plain C path. */
+/* 1 where this build multiplies with VNNI (AVX-512 or AVX-VNNI: the fast paths), 0 on the
+ * plain C path. */
 int linear_w8a8_vnni(void) {
-#ifdef W8A8_VNNI
+#if defined(W8A8_VNNI) || defined(W8A8_AVX_VNNI)
     return 1;
 #else
     return 0;

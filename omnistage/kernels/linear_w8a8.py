@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.kernels.build import build_library, narrow_vectors
+from omnistage.kernels.build import build_library, narrow_vectors, without_vnni
 from omnistage.kernels.weight_pack import PANEL, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear_w8a8.c")
@@ -72,11 +72,13 @@ def pack_w8a8(weight: torch.Tensor) -> W8A8Weight:
 
 class W8A8Kernel:
     """The compiled kernel (raises NativeBuildError where it does not build). narrow: the
-    plain C path even where the CPU has VNNI; amx=False: VNNI even where the CPU has AMX
-    (tests run every path)."""
+    8-lane build a CPU without AVX-512 runs (AVX-VNNI where this CPU has it), and with
+    vnni=False the plain C path; amx=False: VNNI even where the CPU has AMX (tests run every
+    path)."""
 
-    def __init__(self, narrow: bool = False, amx: bool = True):
+    def __init__(self, narrow: bool = False, amx: bool = True, vnni: bool = True):
         defines, flags = narrow_vectors() if narrow else ({}, ())
+        flags = flags if vnni else (*flags, *without_vnni())
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.linear_w8a8

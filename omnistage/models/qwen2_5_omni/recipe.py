@@ -165,8 +165,8 @@ def int8_dit_kernel(config: EngineConfig, vocoder: VocoderSettings, dev: torch.d
     except NativeBuildError as e:
         raise InvalidRequestError(f"the int8 token2wav DiT's kernel did not build: {e}", param="int8_dit") from e
     if not kernel.vnni:
-        log.warning("int8 token2wav DiT: this CPU has no AVX-512 VNNI; its plain C path is slower "
-                    "than float32 (bf16_dit alone serves this CPU better)")
+        log.warning("int8 token2wav DiT: this CPU has no VNNI (AVX-512 VNNI or AVX-VNNI); its plain C "
+                    "path is slower than float32 (bf16_dit alone serves this CPU better)")
     return kernel
 
 
