@@ -277,13 +277,30 @@ static inline __attribute__((always_inline)) void panel_qk(
 #if defined(__AVXVNNI__)
 #define AVX2_VNNI 1
 #define I8K_AVX2_BIAS 128
-static inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i x) {
-    return _mm256_dpbusd_avx_epi32(acc, u, x);
-}
 #else
 #define AVX2_VNNI 0
 #define I8K_AVX2_BIAS 0
 #endif
+
+/* i4k, one byte vector's low and high nibbles (lo, hi: 0..15) against two 4-byte activation
+ * broadcasts: with AVX-VNNI into the int32 sums `acc` directly; without, into int16 pair sums
+ * (maddubs: each pair <= 2 * 15 * 127), which nibble_widen adds to the int32 sums once a block
+ * (a block's four chunks' pairs <= 30480 < 2^15: exact). */
+static inline __m256i nibble_dots(__m256i acc, __m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+#if AVX2_VNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, xl), hi, xh);
+#else
+    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+#endif
+}
+static inline __m256i nibble_widen(__m256i isum, __m256i acc) {
+#if AVX2_VNNI
+    return _mm256_add_epi32(isum, acc);
+#else
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
+#endif
+}
+
 /* The panels for AVX2 (the path dot4 takes there), in 8-lane registers: the 64-byte vectors
  * above are pairs of registers on AVX2, and their 4 x 3 arrays (96 registers' worth) lived on
  * the stack. Here the eight integer sums of a block (8 columns each) stay in registers; the
@@ -293,8 +310,9 @@ static inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i x) {
  * q with w's sign, pairs within int16), unbiased. */
 static inline void i4k_block_avx2(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
                                   __m256i i[8]) {
-#if AVX2_VNNI
-    const __m256i nib = _mm256_set1_epi8(15);
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256i acc[8];                /* int32 sums (AVX-VNNI) or int16 pairs (nibble_dots) */
+    for (int h = 0; h < 8; h++) acc[h] = _mm256_setzero_si256();
     for (int c = 0; c < KB / 8; c++) {
         const uint8_t *w = p + (b * (KB / 8) + c) * 256;
         int32_t lo4, hi4;
@@ -303,31 +321,11 @@ static inline void i4k_block_avx2(const int8_t *restrict q, const uint8_t *restr
         const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
         for (int h = 0; h < 8; h++) {
             const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
-            i[h] = dot4_avx2(dot4_avx2(i[h], _mm256_and_si256(u, nib), xl),
-                             _mm256_and_si256(_mm256_srli_epi16(u, 4), nib), xh);
+            acc[h] = nibble_dots(acc[h], _mm256_and_si256(u, mask),
+                                 _mm256_and_si256(_mm256_srli_epi16(u, 4), mask), xl, xh);
         }
     }
-    return;
-#endif
-    /* The pairs' int16 sums of the block's 4 chunks add up before one widening madd: each
-     * maddubs lane <= 2 * 15 * 127, a chunk's two <= 7620, four chunks <= 30480 < 2^15. */
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256i pairs[8];
-    for (int h = 0; h < 8; h++) pairs[h] = _mm256_setzero_si256();
-    for (int c = 0; c < KB / 8; c++) {
-        const uint8_t *w = p + (b * (KB / 8) + c) * 256;
-        int32_t lo4, hi4;
-        memcpy(&lo4, q + b * KB + 8 * c, 4);
-        memcpy(&hi4, q + b * KB + 8 * c + 4, 4);
-        const __m256i xl = _mm256_set1_epi32(lo4), xh = _mm256_set1_epi32(hi4);
-        for (int h = 0; h < 8; h++) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
-            pairs[h] = _mm256_add_epi16(pairs[h], _mm256_add_epi16(
-                _mm256_maddubs_epi16(_mm256_and_si256(u, mask), xl),
-                _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u, 4), mask), xh)));
-        }
-    }
-    for (int h = 0; h < 8; h++) i[h] = _mm256_add_epi32(i[h], _mm256_madd_epi16(pairs[h], ones));
+    for (int h = 0; h < 8; h++) i[h] = nibble_widen(i[h], acc[h]);
 }
 
 static inline void i8k_block_avx2(const int8_t *restrict q, const uint8_t *restrict p, int64_t b,
@@ -339,13 +337,15 @@ static inline void i8k_block_avx2(const int8_t *restrict q, const uint8_t *restr
         memcpy(&x4, q + b * KB + 4 * c, 4);
         const __m256i x = _mm256_set1_epi32(x4);
         for (int h = 0; h < 8; h++) {
-#if AVX2_VNNI
-            i[h] = dot4_avx2(i[h], _mm256_loadu_si256((const __m256i *)(wp + 32 * h)), x);
-            continue;
-#endif
-            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32 * h)), flip);
+            const __m256i stored = _mm256_loadu_si256((const __m256i *)(wp + 32 * h));
+#if AVX2_VNNI           /* (w + 128) x q, biased: I8K_AVX2_BIAS */
+            (void)flip; (void)ones;
+            i[h] = _mm256_dpbusd_avx_epi32(i[h], stored, x);
+#else
+            const __m256i w = _mm256_xor_si256(stored, flip);
             const __m256i pr = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
             i[h] = _mm256_add_epi32(i[h], _mm256_madd_epi16(pr, ones));
+#endif
         }
     }
 }
@@ -392,23 +392,23 @@ static inline __attribute__((always_inline)) void i8k_tile_avx2(
     for (int c = 0; c < KB / 4; c++) {
         const uint8_t *wp = p + (b * (KB / 4) + c) * 256 + 64 * quarter;
         for (int v = 0; v < 2; v++) {
-#if AVX2_VNNI
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(wp + 32 * v));
+            const __m256i stored = _mm256_loadu_si256((const __m256i *)(wp + 32 * v));
+#if AVX2_VNNI           /* (w + 128) x q, biased: I8K_AVX2_BIAS */
+            (void)flip; (void)ones;
             for (int r = 0; r < R; r++) {
                 int32_t x4;
                 memcpy(&x4, q + r * k + b * KB + 4 * c, 4);
-                isum[r][v] = dot4_avx2(isum[r][v], u, _mm256_set1_epi32(x4));
+                isum[r][v] = _mm256_dpbusd_avx_epi32(isum[r][v], stored, _mm256_set1_epi32(x4));
             }
-            continue;
-#endif
-            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wp + 32 * v)), flip);
-            const __m256i a = _mm256_abs_epi8(w);
+#else
+            const __m256i w = _mm256_xor_si256(stored, flip), a = _mm256_abs_epi8(w);
             for (int r = 0; r < R; r++) {
                 int32_t x4;
                 memcpy(&x4, q + r * k + b * KB + 4 * c, 4);
                 const __m256i pr = _mm256_maddubs_epi16(a, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
                 isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(pr, ones));
             }
+#endif
         }
     }
 }
@@ -416,28 +416,9 @@ static inline __attribute__((always_inline)) void i8k_tile_avx2(
 static inline __attribute__((always_inline)) void i4k_tile_avx2(
         const int R, const int8_t *restrict q, int64_t k, const uint8_t *restrict p, int64_t b,
         int quarter, __m256i isum[TILE_ROWS][2]) {
-#if AVX2_VNNI
-    const __m256i nib = _mm256_set1_epi8(15);
-    #pragma GCC unroll 1
-    for (int c = 0; c < KB / 8; c++) {
-        const uint8_t *w = p + (b * (KB / 8) + c) * 256 + 64 * quarter;
-        for (int v = 0; v < 2; v++) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(w + 32 * v));
-            const __m256i lo = _mm256_and_si256(u, nib), hi = _mm256_and_si256(_mm256_srli_epi16(u, 4), nib);
-            for (int r = 0; r < R; r++) {
-                int32_t lo4, hi4;
-                memcpy(&lo4, q + r * k + b * KB + 8 * c, 4);
-                memcpy(&hi4, q + r * k + b * KB + 8 * c + 4, 4);
-                isum[r][v] = dot4_avx2(dot4_avx2(isum[r][v], lo, _mm256_set1_epi32(lo4)),
-                                       hi, _mm256_set1_epi32(hi4));
-            }
-        }
-    }
-    return;
-#endif
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256i pairs[TILE_ROWS][2];                /* int16 sums of the block (i4k_block_avx2) */
-    for (int r = 0; r < R; r++) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256i acc[TILE_ROWS][2];      /* int32 sums (AVX-VNNI) or int16 pairs (nibble_dots) */
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     #pragma GCC unroll 1
     for (int c = 0; c < KB / 8; c++) {
         const uint8_t *w = p + (b * (KB / 8) + c) * 256 + 64 * quarter;
@@ -448,13 +429,12 @@ static inline __attribute__((always_inline)) void i4k_tile_avx2(
                 int32_t lo4, hi4;
                 memcpy(&lo4, q + r * k + b * KB + 8 * c, 4);
                 memcpy(&hi4, q + r * k + b * KB + 8 * c + 4, 4);
-                pairs[r][v] = _mm256_add_epi16(pairs[r][v], _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_set1_epi32(lo4)), _mm256_maddubs_epi16(hi, _mm256_set1_epi32(hi4))));
+                acc[r][v] = nibble_dots(acc[r][v], lo, hi, _mm256_set1_epi32(lo4), _mm256_set1_epi32(hi4));
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int v = 0; v < 2; v++) isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(pairs[r][v], ones));
+        for (int v = 0; v < 2; v++) isum[r][v] = nibble_widen(isum[r][v], acc[r][v]);
 }
 
 typedef void (*tile8_fn)(int, const int8_t *, int64_t, const uint8_t *, int64_t, int,
