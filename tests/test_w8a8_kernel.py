@@ -1,6 +1,7 @@
 """The int8 product (kernels/linear_w8a8.c): exact integer sums against a reference computed
-here, the AMX, VNNI (AVX-512 and AVX-VNNI) and plain C paths equal, a row's result independent of its batch, the
-fused GELU, norm and gated residual, and its error against the float32 product."""
+here, the AMX, VNNI (AVX-512 and AVX-VNNI) and plain C paths equal, a row's result independent
+of its batch, the fused GELU, norm and gated residual, and its error against the float32
+product."""
 
 from __future__ import annotations
 

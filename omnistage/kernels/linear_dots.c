@@ -269,7 +269,7 @@ static inline __attribute__((always_inline)) void panel_qk(
     const float *restrict gs, float *restrict out, int64_t pf
 
 #if defined(__AVX2__) && (!defined(__AVX512BW__) || defined(OMNISTAGE_NO_AVX512))
-/* AVX-VNNI (Alder Lake and later cores without AVX-512, Zen 5): vpdpbusd on 256-bit vectors,
+/* AVX-VNNI (Intel cores without AVX-512 since Alder Lake): vpdpbusd on 256-bit vectors,
  * unsigned weight bytes x signed activations summed 4 to a lane in one instruction, where
  * plain AVX2 takes three or four (sign, maddubs, madd, add) on the same two ports. The weights
  * then go in as stored (i8k: w + 128, taken off as 128 sum q, I8K_AVX2_BIAS; i4k: the
