@@ -101,3 +101,23 @@ def hold_to_isa(module: str, isa: str, argv: list[str] | None) -> None:
           file=sys.stderr, flush=True)
     args = sys.argv[1:] if argv is None else argv
     os.execve(sys.executable, [sys.executable, "-m", module, *args], {**os.environ, **env})
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """`python -m benchmarks.machine [--isa ISA]`: this CPU, and the environment a run held to
+    ISA sees (the variables of every ISA_ENV entry, as this process has them)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="this CPU and an --isa environment")
+    ap.add_argument("--isa", choices=sorted(ISA_ENV), default="native")
+    args = ap.parse_args(argv)
+    hold_to_isa("benchmarks.machine", args.isa, argv)
+    names = sorted({k for env in ISA_ENV.values() for k in env})
+    held = {k: os.environ.get(k) for k in names}
+    print(cpu_line(cpu_description()))
+    print(" ".join(f"{k}={v}" for k, v in held.items() if v is not None) or "(no variable held)", flush=True)
+    return held
+
+
+if __name__ == "__main__":
+    main()

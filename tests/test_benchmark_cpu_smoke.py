@@ -30,6 +30,26 @@ def test_cpu_description_names_the_cpu():
     assert cpu["model"] and isinstance(cpu["extensions"], list)
 
 
+def test_isa_proxy_runs_the_script_again_in_its_environment():
+    """--isa avx2: the script is run again with our kernels' target, ATen, oneDNN and MKL held
+    to AVX2 (torch reads them at import, so only a fresh process can have them)."""
+    import os
+    import subprocess
+
+    from benchmarks.machine import ISA_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in ISA_ENV["avx2"]}
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.machine", "--isa", "avx2"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert "running again" in out.stderr
+    held = out.stdout.strip().splitlines()[-1].split()
+    assert sorted(held) == sorted(f"{k}={v}" for k, v in ISA_ENV["avx2"].items())
+    native = subprocess.run([sys.executable, "-m", "benchmarks.machine"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert "running again" not in native.stderr and "(no variable held)" in native.stdout
+
+
 def test_dit_attention_benchmark_toy_run(tiny_omni, capsys):
     from benchmarks import dit_attention
 
