@@ -88,15 +88,28 @@ ISA_ENV = {"native": {},
                          "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 
 
+# The CPU flags (/proc/cpuinfo names) a proxy's code needs: without them it dies of SIGILL.
+ISA_NEEDS = {"native": set(), "avx2": {"avx2", "fma"}, "avx2-vnni": {"avx2", "fma", "avx_vnni"}}
+
+
+def isa_missing(isa: str, extensions: list[str]) -> set[str]:
+    """What a CPU with `extensions` (cpu_description's) lacks of what `isa` runs."""
+    return ISA_NEEDS[isa] - set(extensions)
+
+
 def hold_to_isa(module: str, isa: str, argv: list[str] | None) -> None:
     """Run `python -m module` again (same arguments) in the environment `isa` needs, since
     torch and its libraries read it when loaded; returns at once when this process already
-    runs in it."""
+    runs in it. Exits with a message where this CPU lacks what `isa` runs."""
     import sys
 
     env = ISA_ENV[isa]
     if all(os.environ.get(k) == v for k, v in env.items()):
         return
+    missing = isa_missing(isa, cpu_description()["extensions"])
+    if missing:
+        raise SystemExit(f"--isa {isa} runs {' '.join(sorted(ISA_NEEDS[isa]))}; this CPU lacks "
+                         f"{' '.join(sorted(missing))}")
     print(f"[isa] {' '.join(f'{k}={v}' for k, v in env.items())}: running again in that environment",
           file=sys.stderr, flush=True)
     args = sys.argv[1:] if argv is None else argv

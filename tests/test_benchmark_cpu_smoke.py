@@ -50,6 +50,14 @@ def test_isa_proxy_runs_the_script_again_in_its_environment():
     assert "running again" not in native.stderr and "(no variable held)" in native.stdout
 
 
+def test_isa_proxy_names_what_a_cpu_lacks():
+    from benchmarks.machine import isa_missing
+
+    zen3 = ["avx", "avx2", "f16c", "fma"]
+    assert isa_missing("avx2", zen3) == set() and isa_missing("avx2-vnni", zen3) == {"avx_vnni"}
+    assert isa_missing("avx2", ["avx"]) == {"avx2", "fma"} and isa_missing("native", []) == set()
+
+
 def test_dit_attention_benchmark_toy_run(tiny_omni, capsys):
     from benchmarks import dit_attention
 
