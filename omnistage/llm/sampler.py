@@ -241,27 +241,40 @@ def apply_penalties(x: torch.Tensor, rows: list[int], batch: SamplingBatch) -> N
       l / r if l > 0 else l * r.
     presence p / frequency f (OpenAI), applied after: l -= f * count + p * (count > 0), where
       count is the token's number of occurrences in the OUTPUT so far.
+
+    Only the logits of the ids concerned are read and written, at flat indices row * V + id (an
+    id repeated reads the same logit and writes the same result, so repetitions need no
+    dedup). Why: (rows, V) masks and counts built every step cost a talker (V 8448, a few
+    hundred prompt and output ids) ~180 us of a ~1.3 ms step; the others' logits are left as
+    the masked arithmetic left them (l * 1, l - 0), so the same bits.
     """
-    V = x.shape[1]
-    dev = x.device
-    params = [batch.params[i] for i in rows]
-    idx = torch.tensor(rows, dtype=torch.long, device=dev)
-    pen = torch.tensor(  # (R, 3)
-        [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
-        dtype=torch.float32, device=dev)
-    sub = x[idx]  # (R, V) copy
-    at = _positions([batch.output_token_ids[i] for i in rows], V, dev)
-    counts = torch.zeros(len(rows), V, dtype=torch.float32, device=dev)   # output occurrences
-    counts.index_put_(at, torch.ones(at[0].shape[0], dtype=torch.float32, device=dev), accumulate=True)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
-        seen[_positions([batch.prompt_token_ids[i] for i in rows], V, dev)] = True
-        seen |= counts > 0
-        r = pen[:, 0:1]
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        sub = sub - pen[:, 2:3] * counts - pen[:, 1:2] * (counts > 0).float()
-    x[idx] = sub
+    V, dev = x.shape[1], x.device
+    flat = x.view(-1)
+    repeat = [i for i in rows if batch.params[i].repetition_penalty != 1.0]
+    if repeat:
+        seqs = [batch.prompt_token_ids[i] + batch.output_token_ids[i] for i in repeat]
+        lengths = [len(seq) for seq in seqs]
+        ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=sum(lengths))
+        r = np.repeat(np.array([batch.params[i].repetition_penalty for i in repeat], dtype=np.float32), lengths)
+        keep = (ids >= 0) & (ids < V)
+        at = torch.from_numpy(ids[keep] + np.repeat(np.array(repeat, dtype=np.int64) * V, lengths)[keep]).to(dev)
+        r_at = torch.from_numpy(r[keep]).to(dev)
+        vals = flat[at]
+        flat[at] = torch.where(vals > 0, vals / r_at, vals * r_at)
+    counted = [i for i in rows if batch.params[i].presence_penalty != 0.0 or batch.params[i].frequency_penalty != 0.0]
+    if counted:
+        at, count, pen = [], [], []
+        for i in counted:
+            out = np.fromiter(batch.output_token_ids[i], dtype=np.int64)
+            ids, c = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
+            p = batch.params[i]
+            at.append(ids + i * V)
+            count.append(c.astype(np.float32))
+            pen.append(np.tile(np.array([[p.presence_penalty, p.frequency_penalty]], dtype=np.float32), (len(ids), 1)))
+        at = torch.from_numpy(np.concatenate(at)).to(dev)
+        count = torch.from_numpy(np.concatenate(count)).to(dev)
+        pen = torch.from_numpy(np.concatenate(pen)).to(dev)
+        flat[at] = flat[at] - pen[:, 1] * count - pen[:, 0]
 
 
 def filter_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -330,13 +343,3 @@ def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, k: int) -> Sample
     chosen = lp.gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids, chosen, top.values, top.indices)
 
-
-def _positions(seqs: list[list[int]], V: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, id) index tensors of every id in [0, V) of seqs (others are ignored). Through
-    numpy: a token list becomes a tensor ~4x faster than through torch.tensor, which matters at
-    every step of a talker with a prompt of hundreds of ids."""
-    lengths = [len(seq) for seq in seqs]
-    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=sum(lengths)))
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths, dtype=torch.long))
-    keep = (ids >= 0) & (ids < V)
-    return rows[keep].to(device), ids[keep].to(device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,6 +101,35 @@ def test_penalties_match_reference():
         want = reference_penalties(logits[i].tolist(), p, prompts[i], outputs[i])
         torch.testing.assert_close(got[i], torch.tensor(want), rtol=1e-6, atol=1e-6)
     assert torch.equal(got[-1], logits[-1])
+
+
+def test_penalties_are_float32_arithmetic_on_the_touched_logits_only():
+    """Bit for bit: each seen logit once divided / multiplied by r in float32, each output id's
+    logit then (l - f * count) - p in float32; every other logit (other rows, unseen ids, rows
+    without penalties) unchanged; ids outside [0, V) ignored; rows named by batch index."""
+    V = 50
+    g = torch.Generator().manual_seed(7)
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.4,
+                                               frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=1.1)]
+    prompts = [[1, 2], [3, 3, 3, -1, V + 4, 7], [0, V - 1, 9, 9], [5]]
+    outputs = [[4], [7, 7, 8, V, 3], [9, 10, 10], [11, 11, 11, 12, -2]]
+    logits = torch.randn(len(params), V, generator=g) * 2
+    logits[1, 3], logits[2, 9] = -0.0, 0.0                    # signed zeros stay what r makes them
+    got = logits.clone()
+    apply_penalties(got, [1, 2, 3], make_batch(params, prompts=prompts, outputs=outputs))
+    want = logits.numpy().copy()
+    for i in (1, 2, 3):
+        p = params[i]
+        r, pres, freq = np.float32(p.repetition_penalty), np.float32(p.presence_penalty), np.float32(p.frequency_penalty)
+        if p.repetition_penalty != 1.0:
+            for t in {t for t in prompts[i] + outputs[i] if 0 <= t < V}:
+                want[i, t] = want[i, t] / r if want[i, t] > 0 else want[i, t] * r
+        if p.presence_penalty or p.frequency_penalty:
+            for t in {t for t in outputs[i] if 0 <= t < V}:
+                want[i, t] = (want[i, t] - freq * np.float32(outputs[i].count(t))) - pres
+    assert torch.equal(got, torch.from_numpy(want))
+    assert torch.equal(got[0], logits[0])
 
 
 def test_greedy_rows_take_argmax_of_penalised_logits():
