@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from contextlib import contextmanager
@@ -101,8 +102,6 @@ def hold_to_isa(module: str, isa: str, argv: list[str] | None) -> None:
     """Run `python -m module` again (same arguments) in the environment `isa` needs, since
     torch and its libraries read it when loaded; returns at once when this process already
     runs in it. Exits with a message where this CPU lacks what `isa` runs."""
-    import sys
-
     env = ISA_ENV[isa]
     if all(os.environ.get(k) == v for k, v in env.items()):
         return

@@ -250,31 +250,32 @@ def apply_penalties(x: torch.Tensor, rows: list[int], batch: SamplingBatch) -> N
     """
     V, dev = x.shape[1], x.device
     flat = x.view(-1)
-    repeat = [i for i in rows if batch.params[i].repetition_penalty != 1.0]
+    params = batch.params
+    repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
     if repeat:
         seqs = [batch.prompt_token_ids[i] + batch.output_token_ids[i] for i in repeat]
         lengths = [len(seq) for seq in seqs]
         ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=sum(lengths))
-        r = np.repeat(np.array([batch.params[i].repetition_penalty for i in repeat], dtype=np.float32), lengths)
+        base = np.repeat(np.array(repeat, dtype=np.int64) * V, lengths)        # row * V
+        r = np.repeat(np.array([params[i].repetition_penalty for i in repeat], dtype=np.float32), lengths)
         keep = (ids >= 0) & (ids < V)
-        at = torch.from_numpy(ids[keep] + np.repeat(np.array(repeat, dtype=np.int64) * V, lengths)[keep]).to(dev)
-        r_at = torch.from_numpy(r[keep]).to(dev)
+        at, r_at = torch.from_numpy(ids[keep] + base[keep]).to(dev), torch.from_numpy(r[keep]).to(dev)
         vals = flat[at]
         flat[at] = torch.where(vals > 0, vals / r_at, vals * r_at)
-    counted = [i for i in rows if batch.params[i].presence_penalty != 0.0 or batch.params[i].frequency_penalty != 0.0]
+    counted = [i for i in rows if params[i].presence_penalty != 0.0 or params[i].frequency_penalty != 0.0]
     if counted:
-        at, count, pen = [], [], []
-        for i in counted:
+        at, counts = [], []
+        for i in counted:          # each output id once, with its number of occurrences
             out = np.fromiter(batch.output_token_ids[i], dtype=np.int64)
             ids, c = np.unique(out[(out >= 0) & (out < V)], return_counts=True)
-            p = batch.params[i]
             at.append(ids + i * V)
-            count.append(c.astype(np.float32))
-            pen.append(np.tile(np.array([[p.presence_penalty, p.frequency_penalty]], dtype=np.float32), (len(ids), 1)))
+            counts.append(c)
+        lengths = [len(a) for a in at]
+        pres = np.repeat(np.array([params[i].presence_penalty for i in counted], dtype=np.float32), lengths)
+        freq = np.repeat(np.array([params[i].frequency_penalty for i in counted], dtype=np.float32), lengths)
         at = torch.from_numpy(np.concatenate(at)).to(dev)
-        count = torch.from_numpy(np.concatenate(count)).to(dev)
-        pen = torch.from_numpy(np.concatenate(pen)).to(dev)
-        flat[at] = flat[at] - pen[:, 1] * count - pen[:, 0]
+        count = torch.from_numpy(np.concatenate(counts).astype(np.float32)).to(dev)
+        flat[at] = flat[at] - torch.from_numpy(freq).to(dev) * count - torch.from_numpy(pres).to(dev)
 
 
 def filter_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -76,9 +76,10 @@ class StreamConfig:
         first audio the same, no playback gap (its second chunk's window is 2 blocks longer)."""
         block = math.ceil(c.block_size / c.repeats)
         held = math.ceil(math.ceil(vocoder_context / c.repeats) / block) * block
-        return cls(chunk_size=2 * block + held, look_ahead=len(c.look_ahead_layers) * block,
+        first = 2 * block + held
+        return cls(chunk_size=first, look_ahead=len(c.look_ahead_layers) * block,
                    look_back=len(c.look_backward_layers) * block, max_chunk_size=12 * block,
-                   first_chunk_size=2 * block + held)
+                   first_chunk_size=first)
 
 
 @dataclass
