@@ -28,8 +28,8 @@ from benchmarks.machine import cpu_description, cpu_line  # noqa: E402
 
 
 def load(model_dir: str, bf16: bool, int8: bool = False):
-    """The folder's Token2Wav as the recipe packs it (bf16 / int8: --token2wav-bf16 / -int8),
-    and its first speaker."""
+    """The folder's Token2Wav as the recipe packs it (bf16 / int8: --token2wav-bf16 / -int8;
+    with int8 its blocks in one native call, DiTModel.use_native_stack), and its first speaker."""
     from omnistage.kernels.linear_w8a8 import W8A8Kernel
     from omnistage.layers.checkpoint import iter_weights, safetensors_files
     from omnistage.models.qwen2_5_omni.loader import load_speakers
@@ -43,6 +43,8 @@ def load(model_dir: str, bf16: bool, int8: bool = False):
         raise SystemExit("oneDNN's packed GEMMs are not available here (bf16: no bf16 dot products)")
     if not t2w.dit.use_native_attention():
         raise SystemExit("the window attention kernel does not build or fit here")
+    if int8 and not t2w.dit.use_native_stack():
+        raise SystemExit("the DiT's native block stack does not build here")
     return t2w.eval(), next(iter(load_speakers(model_dir).values()))
 
 

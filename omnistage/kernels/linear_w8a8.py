@@ -89,6 +89,11 @@ class W8A8Kernel:
         self.vnni = bool(lib.linear_w8a8_vnni())
         self.amx = amx and bool(lib.linear_w8a8_amx())    # asks the OS for the tiles once
 
+    @property
+    def address(self) -> int:
+        """linear_w8a8's address, for calls from C (dit_stack.c)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
                  activation: str = "none", norm: RowNorm | None = None,
                  residual: GatedResidual | None = None) -> torch.Tensor:

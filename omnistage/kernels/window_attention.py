@@ -43,6 +43,10 @@ class WindowAttentionKernel:
         fn.restype = ctypes.c_int
         return fn
 
+    def address(self, dtype: torch.dtype) -> int:
+        """The entry for qkv and outputs in `dtype`, for calls from C (dit_stack.c)."""
+        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
+
     def supports(self, qkv: torch.Tensor, back: int, ahead: int) -> bool:
         """Whether the kernel takes this call: float32 or bf16 on the CPU, the compiled head
         size, whole blocks, a window of at most MAX_SLOTS blocks."""

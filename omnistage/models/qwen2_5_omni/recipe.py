@@ -143,6 +143,8 @@ def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, mod
                                   "other products, which this torch build lacks", param="int8_dit")
     if config.linear_kernel != "matmul":
         t2w.dit.use_native_attention()     # each layer's block windows in one native call
+        if w8a8 is not None:
+            t2w.dit.use_native_stack()     # and, with int8 products, all blocks in one
         # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
         # build, at least their SnakeBeta (the torch path then runs it)
         if not use_native_activations(t2w.vocoder):

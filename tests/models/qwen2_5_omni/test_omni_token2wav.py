@@ -235,6 +235,40 @@ def test_int8_products_stay_close_and_keep_batch_invariance(models):
         assert torch.equal(int8.mel_batch([req])[0], got)
 
 
+def test_int8_native_stack_is_the_per_block_path(models):
+    """The int8 DiT's blocks as one native call per evaluation (use_native_stack): the same
+    kernels with the same arguments as one call per kernel, so the same bits, for a batch of
+    requests of different lengths with and without guidance; bad shapes are refused before
+    the C code reads them."""
+    from omnistage.kernels.linear_w8a8 import W8A8Kernel
+
+    _, ours = models
+    int8 = Token2Wav(ours.config)
+    int8.load_weights(((f"token2wav.{k}", v) for k, v in ours.state_dict().items()))
+    if int8.dit.pack_for_onednn(torch.float32, W8A8Kernel()) == 0:
+        pytest.skip("oneDNN packed linear is not available in this torch build")
+    if not int8.dit.use_native_attention():
+        pytest.skip("the window attention kernel does not build here")
+    reqs = []
+    for i, (n, r, g) in enumerate([(25, 20, 0.5), (40, 31, 0.0), (13, 12, 0.5)]):
+        codes, cond, ref = utterance(n, seed=30 + i, ref_frames=r)
+        reqs.append(Token2WavRequest(codes, cond, ref, torch.randn(1, 2 * n, MEL), guidance_scale=g))
+    per_block = int8.mel_batch(reqs)
+    assert int8.dit.use_native_stack()
+    stacked = int8.mel_batch(reqs)
+    for a, b in zip(stacked, per_block):
+        assert torch.equal(a, b)
+    assert torch.equal(int8.mel_batch(reqs[:1])[0], stacked[0])
+    stack, hidden = int8.dit.stack, DIT["hidden_size"]
+    mods = int8.dit._bound_cache[next(iter(int8.dit._bound_cache))]
+    rope = torch.ones(1, 8, 1, DIT["head_dim"] // 2, dtype=torch.complex64)
+    for h, lengths in [(torch.zeros(1, 7, hidden), torch.tensor([7])),             # not whole blocks
+                       (torch.zeros(1, 8, hidden), torch.tensor([8], dtype=torch.int32)),
+                       (torch.zeros(1, 8, hidden + 1), torch.tensor([8]))]:
+        with pytest.raises(ValueError, match="dit stack"):
+            stack(h, mods, lengths, rope)
+
+
 # ---------------------------------------------------------------- streaming
 
 def test_vocoder_windows_are_exact(models):
