@@ -27,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import cpu_description, cpu_line  # noqa: E402
 
 
-def load(model_dir: str, bf16: bool, int8: bool = False):
+def load(model_dir: str, bf16: bool, int8: bool = False, stack: bool = True):
     """The folder's Token2Wav as the recipe packs it (bf16 / int8: --token2wav-bf16 / -int8;
-    with int8 its blocks in one native call, DiTModel.use_native_stack), and its first speaker."""
+    neither: float32 with the native products), with its blocks in one native call unless
+    `stack` is False (DiTModel.use_native_stack), and its first speaker."""
+    from omnistage.kernels.linear import NativeLinearKernel
     from omnistage.kernels.linear_w8a8 import W8A8Kernel
     from omnistage.layers.checkpoint import iter_weights, safetensors_files
     from omnistage.models.qwen2_5_omni.loader import load_speakers
@@ -39,11 +41,13 @@ def load(model_dir: str, bf16: bool, int8: bool = False):
     model_dir = Path(model_dir)
     t2w = Token2Wav(token2wav_config(model_dir), torch.float32, "cpu")
     t2w.load_weights(iter_weights(safetensors_files(model_dir)))
-    if not t2w.dit.pack_for_onednn(torch.bfloat16 if bf16 else torch.float32, W8A8Kernel() if int8 else None):
+    native = NativeLinearKernel() if not (bf16 or int8) and t2w.dit.stack_fits() else None
+    if not t2w.dit.pack_for_onednn(torch.bfloat16 if bf16 else torch.float32, W8A8Kernel() if int8 else None,
+                                   native):
         raise SystemExit("oneDNN's packed GEMMs are not available here (bf16: no bf16 dot products)")
     if not t2w.dit.use_native_attention():
         raise SystemExit("the window attention kernel does not build or fit here")
-    if int8 and not t2w.dit.use_native_stack():
+    if stack and (int8 or native) and not t2w.dit.use_native_stack():
         raise SystemExit("the DiT's native block stack does not build here")
     return t2w.eval(), next(iter(load_speakers(model_dir).values()))
 
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = args.model or str(tiny_checkpoint("qwen2_5_omni", "small", 0, "float32"))
     cpu = cpu_description()
     print(cpu_line(cpu), file=sys.stderr)
-    t2w, speaker = load(model, args.bf16)
+    t2w, speaker = load(model, args.bf16, stack=False)      # the attention one call per layer
     report = {"model": model, "streams": args.streams, "bf16": args.bf16, "cpu": cpu,
               **compare(t2w, speaker, args.streams, args.pairs)}
     for i, (a, b) in enumerate(report["runs_s"]):

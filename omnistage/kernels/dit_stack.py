@@ -1,6 +1,7 @@
-"""The token2wav DiT's blocks as one native call per evaluation (dit_stack.c), for the int8
-DiT: the same W8A8 products and window attention as the per-block path, with the block loop in
-C instead of ~30 Python-wrapped kernel calls and the modulations' torch ops per evaluation."""
+"""The token2wav DiT's blocks as one native call per evaluation (dit_stack.c): the same
+products (int8 W8A8 or the native float32 linear kernel) and window attention as the per-block
+path, with the block loop in C instead of ~30 Python-wrapped kernel calls and a dozen torch ops
+per block."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library
-from omnistage.kernels.linear import pointer
+from omnistage.kernels.linear import LinearCall, NativeLinearKernel, pointer
 from omnistage.kernels.linear_w8a8 import RowNorm, W8A8Kernel, W8A8Weight
+from omnistage.kernels.weight_pack import PackedWeight
 from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel
 
 SOURCE = Path(__file__).with_name("dit_stack.c")
@@ -20,11 +22,16 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _W8(ctypes.Structure):
-    _fields_ = [("panels", _p), ("sw", _p), ("comp", _p), ("bias", _p), ("n", _i64), ("k", _i64)]
+    _fields_ = [("panels", _p), ("sw", _p), ("comp", _p), ("bias", _p)]
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("int8", ctypes.c_int32), ("w8", _W8), ("lin", LinearCall)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _W8), ("out", _W8), ("up", _W8), ("down", _W8), ("back", _i64), ("ahead", _i64)]
+    _fields_ = [("qkv", _Product), ("out", _Product), ("up", _Product), ("down", _Product),
+                ("back", _i64), ("ahead", _i64)]
 
 
 class _Mod(ctypes.Structure):
@@ -34,23 +41,24 @@ class _Mod(ctypes.Structure):
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("head_dim", _i64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("amx", ctypes.c_int32),
-                ("layers", ctypes.POINTER(_Layer)), ("product", _p), ("attend", _p)]
+                ("layers", ctypes.POINTER(_Layer)), ("w8a8", _p), ("attend", _p)]
 
 
 @dataclass(frozen=True)
-class W8A8Product:
-    """A W8A8 linear: its packed weight and float32 bias (or None)."""
-    weight: W8A8Weight
+class StackProduct:
+    """One frame-row product of a block: its weight, int8 (W8A8Weight, for the W8A8 kernel) or
+    float32 (PackedWeight, for the native linear kernel), and its float32 bias (or None)."""
+    weight: W8A8Weight | PackedWeight
     bias: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class DiTLayerProducts:
     """What one DiT block hands the stack (tensors that outlive it)."""
-    qkv: W8A8Product          # D -> 3 * H * head_dim, q | k | v
-    out: W8A8Product          # H * head_dim -> D
-    up: W8A8Product           # D -> F (GELU after)
-    down: W8A8Product         # F -> D
+    qkv: StackProduct          # D -> 3 * H * head_dim, q | k | v
+    out: StackProduct          # H * head_dim -> D
+    up: StackProduct           # D -> F (GELU after)
+    down: StackProduct         # F -> D
     back: int                 # the attention's window in blocks
     ahead: int
 
@@ -80,24 +88,27 @@ class BoundModulations:
 
 
 class NativeDiTStack:
-    """The blocks of one DiT bound once (pointers to their int8 weights); each call runs one
-    evaluation's rows through all of them."""
+    """The blocks of one DiT bound once (pointers to their weights); each call runs one
+    evaluation's rows through all of them. w8a8 / linear: the kernels of the int8 / float32
+    products (None where no product is of that kind)."""
 
-    def __init__(self, w8a8: W8A8Kernel, attention: WindowAttentionKernel, layers: list[DiTLayerProducts],
-                 hidden: int, heads: int, eps: float):
+    def __init__(self, attention: WindowAttentionKernel, layers: list[DiTLayerProducts], hidden: int,
+                 heads: int, eps: float, w8a8: W8A8Kernel | None = None,
+                 linear: NativeLinearKernel | None = None):
         lib = ctypes.CDLL(str(build_library(SOURCE, {})))
         self._run = lib.dit_stack_f32
         self._run.argtypes = [ctypes.POINTER(_Stack), ctypes.POINTER(_Mod), _p, _i64, _i64, _p, _p, _p]
         self._run.restype = ctypes.c_int
         head_dim = attention.head_dim
         for layer in layers:
-            _check(layer, hidden, heads * head_dim)
+            _check(layer, hidden, heads * head_dim, w8a8, linear)
         self.hidden, self.heads, self.head_dim, self.eps = hidden, heads, head_dim, eps
         self.num_layers, self.block = len(layers), attention.block
         self._layers = layers                          # keeps the weights alive
-        self._array = (_Layer * len(layers))(*(_layer(x) for x in layers))
-        self._stack = _Stack(len(layers), hidden, heads, head_dim, eps, head_dim ** -0.5, int(w8a8.amx),
-                             self._array, w8a8.address, attention.address(torch.float32))
+        self._array = (_Layer * len(layers))(*(_layer(x, linear) for x in layers))
+        self._stack = _Stack(len(layers), hidden, heads, head_dim, eps, head_dim ** -0.5,
+                             int(w8a8 is not None and w8a8.amx), self._array,
+                             None if w8a8 is None else w8a8.address, attention.address(torch.float32))
         work = lib.dit_stack_work
         work.argtypes = [ctypes.POINTER(_Stack), _i64]
         work.restype = _i64
@@ -140,17 +151,20 @@ def _vector(t: torch.Tensor, size: int) -> torch.Tensor:
     return t.reshape(size).float().contiguous()
 
 
-def _w8(p: W8A8Product) -> _W8:
+def _product(p: StackProduct, linear: NativeLinearKernel | None) -> _Product:
     w = p.weight
-    return _W8(w.panels.data_ptr(), w.scales.data_ptr(), w.comp.data_ptr(), pointer(p.bias),
-               w.out_features, w.in_features)
+    if isinstance(w, W8A8Weight):
+        return _Product(1, _W8(w.panels.data_ptr(), w.scales.data_ptr(), w.comp.data_ptr(), pointer(p.bias)),
+                        LinearCall(None, None, None, 0, None, None, w.out_features, w.in_features))
+    return _Product(0, _W8(), linear.bind(w, p.bias))
 
 
-def _layer(x: DiTLayerProducts) -> _Layer:
-    return _Layer(_w8(x.qkv), _w8(x.out), _w8(x.up), _w8(x.down), x.back, x.ahead)
+def _layer(x: DiTLayerProducts, linear: NativeLinearKernel | None) -> _Layer:
+    return _Layer(*(_product(p, linear) for p in (x.qkv, x.out, x.up, x.down)), x.back, x.ahead)
 
 
-def _check(x: DiTLayerProducts, hidden: int, inner: int) -> None:
+def _check(x: DiTLayerProducts, hidden: int, inner: int, w8a8: W8A8Kernel | None,
+           linear: NativeLinearKernel | None) -> None:
     """The shapes the C code trusts."""
     if not (x.qkv.weight.in_features == x.up.weight.in_features == hidden
             and x.qkv.weight.out_features == 3 * inner and x.out.weight.in_features == inner
@@ -161,6 +175,11 @@ def _check(x: DiTLayerProducts, hidden: int, inner: int) -> None:
     if x.back < 0 or x.ahead < 0 or x.back + 1 + x.ahead > MAX_SLOTS:
         raise ValueError(f"dit stack: a window of {x.back} + 1 + {x.ahead} blocks (at most {MAX_SLOTS})")
     for p in (x.qkv, x.out, x.up, x.down):
+        int8 = isinstance(p.weight, W8A8Weight)
+        if (w8a8 if int8 else linear) is None:
+            raise ValueError(f"dit stack: an {'int8' if int8 else 'float32'} product, and no kernel for it")
+        if not int8 and p.weight.format != "float32":
+            raise ValueError(f"dit stack: a {p.weight.format} product (float32 or int8 W8A8 only)")
         b = p.bias
         if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()
                                   and b.shape == (p.weight.out_features,)):

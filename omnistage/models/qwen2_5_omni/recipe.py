@@ -17,6 +17,7 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniToken2WavConfig
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.build import NativeBuildError
+from omnistage.kernels.linear import native_linear_kernel
 from omnistage.kernels.linear_w8a8 import W8A8Kernel
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
@@ -129,11 +130,17 @@ def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, mod
     t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
     t2w.load_weights(iter_weights(safetensors_files(model_dir)))
     w8a8 = int8_dit_kernel(config, settings.vocoder, dev)
+    # float32: the frame-row products in the native kernel where the linear kernel setting
+    # allows it (auto, native), the blocks then in one native call (use_native_stack)
+    native = None
+    if (w8a8 is None and not settings.vocoder.bf16_dit and config.linear_kernel in ("auto", "native")
+            and t2w.dit.stack_fits()):
+        native, _ = native_linear_kernel(config.linear_kernel, dev, torch.float32)
     packed = 0
     if config.linear_kernel != "matmul":   # ~1.7x on the DiT's GEMMs on CPU (fp32); bf16 where
         # the CPU has bf16 dot products: weights and GEMM inputs rounded, ~1.3-1.8x more
         dtype = torch.bfloat16 if settings.vocoder.bf16_dit else torch.float32
-        packed = t2w.dit.pack_for_onednn(dtype, w8a8)
+        packed = t2w.dit.pack_for_onednn(dtype, w8a8, native)
         if w8a8 is not None and not packed:      # bf16 asked where the CPU has no bf16 units
             packed = t2w.dit.pack_for_onednn(torch.float32, w8a8)
     if settings.vocoder.bf16_dit and not packed:
@@ -143,8 +150,7 @@ def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, mod
                                   "other products, which this torch build lacks", param="int8_dit")
     if config.linear_kernel != "matmul":
         t2w.dit.use_native_attention()     # each layer's block windows in one native call
-        if w8a8 is not None:
-            t2w.dit.use_native_stack()     # and, with int8 products, all blocks in one
+        t2w.dit.use_native_stack()         # and, with int8 or native products, all blocks in one
         # BigVGAN's anti-aliased activations in one pass each; where that kernel does not
         # build, at least their SnakeBeta (the torch path then runs it)
         if not use_native_activations(t2w.vocoder):

@@ -25,8 +25,10 @@ from torch import nn
 
 from omnistage.kernels.build import NativeBuildError
 from omnistage.kernels.dit_stack import (BlockModulation, BoundModulations, DiTLayerProducts,
-                                         NativeDiTStack, W8A8Product)
+                                         NativeDiTStack, StackProduct)
+from omnistage.kernels.linear import NativeLinearKernel
 from omnistage.kernels.linear_w8a8 import GatedResidual, RowNorm, W8A8Kernel, W8A8Weight, pack_w8a8
+from omnistage.kernels.weight_pack import PackedWeight
 from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel, unsupported_reason
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_available, pack_weight,
@@ -38,24 +40,34 @@ NORM_EPS = 1e-6             # the modulated LayerNorms' epsilon
 
 class DiTLinear(nn.Linear):
     """nn.Linear that may switch to oneDNN's packed fp32 GEMM on CPU (2.3x the default BLAS
-    path on the AVX-512 Zen CPUs we serve from: 240 vs 104 GFLOP/s at 1200x256x256), or to
-    the native int8 product (W8A8, linear_w8a8.c)."""
+    path on the AVX-512 Zen CPUs we serve from: 240 vs 104 GFLOP/s at 1200x256x256), to the
+    native float32 linear kernel (linear.c), or to the native int8 product (W8A8,
+    linear_w8a8.c)."""
 
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
     packed_dtype: torch.dtype = torch.float32     # of the packed weight; activations go in as it
     w8a8: W8A8Weight | None = None                # the int8 weight, when packed for W8A8
     w8a8_kernel: W8A8Kernel | None = None
+    native: PackedWeight | None = None            # the float32 weight, when packed for linear.c
+    native_kernel: NativeLinearKernel | None = None
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None,
+                        native: NativeLinearKernel | None = None) -> None:
         """dtype bfloat16: weights and inputs rounded to bf16, sums in float32 (the CPU's bf16
         dot products); outputs rounded to bf16, then back to the input's dtype. w8a8: the
         product in int8 instead (the weight per output column, each input row per call, exact
-        integer sums; float32 in and out), dtype unused."""
+        integer sums; float32 in and out), dtype unused. native (dtype float32, no w8a8): the
+        native float32 kernel instead (faster than oneDNN's at a first chunk's few hundred
+        rows, and a row's result the same in any batch)."""
         w = self.weight
-        if w8a8 is not None:
-            self.w8a8, self.w8a8_kernel, self.packed_dtype = pack_w8a8(w), w8a8, torch.float32
-            self.packed_bias = None if self.bias is None else self.bias.detach().float()
+        if w8a8 is not None or (native is not None and dtype == torch.float32):
+            if w8a8 is not None:
+                self.w8a8, self.w8a8_kernel = pack_w8a8(w), w8a8
+            else:
+                self.native, self.native_kernel = native.pack(w.detach().float().t()), native
+            self.packed_dtype = torch.float32
+            self.packed_bias = None if self.bias is None else self.bias.detach().float().contiguous()
         else:
             self.packed, self.packed_dtype = pack_weight(w.to(dtype)), dtype
             self.packed_bias = None if self.bias is None else self.bias.detach().to(dtype)
@@ -63,7 +75,7 @@ class DiTLinear(nn.Linear):
 
     @property
     def is_packed(self) -> bool:
-        return self.packed is not None or self.w8a8 is not None
+        return self.packed is not None or self.w8a8 is not None or self.native is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_packed:
@@ -84,7 +96,11 @@ class DiTLinear(nn.Linear):
         dtype = out_dtype or x.dtype
         if norm is not None:
             x = apply_norm(x, norm)
-        y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm).to(dtype)
+        if self.native is not None:
+            y = self.native_kernel(x.float(), self.native, self.packed_bias)
+            y = (y if post_op == "none" else F.gelu(y, approximate=algorithm)).to(dtype)
+        else:
+            y = packed_linear(x.to(self.packed_dtype), self.packed, self.packed_bias, post_op, algorithm).to(dtype)
         return y if residual is None else add_gated(residual, y)
 
 
@@ -269,20 +285,21 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([DiTLinear(inner, c.hidden_size)])
         self.qkv: DiTLinear | None = None      # q|k|v in one packed GEMM (pack_for_onednn)
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> None:
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None,
+                        native: NativeLinearKernel | None = None) -> None:
         """One GEMM for q, k and v (the same numbers as three: each output column is the same
-        dot product), then the projections drop their own weights. w8a8: see DiTLinear."""
+        dot product), then the projections drop their own weights. w8a8, native: see DiTLinear."""
         q, k, v = self.to_q, self.to_k, self.to_v
         merged = DiTLinear(q.in_features, 3 * q.out_features, device=q.weight.device, dtype=q.weight.dtype)
         with torch.no_grad():
             merged.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
             merged.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        merged.pack_for_onednn(dtype, w8a8)
+        merged.pack_for_onednn(dtype, w8a8, native)
         self.qkv = merged
         for lin in (q, k, v):
             lin.weight = nn.Parameter(torch.empty(0, dtype=lin.weight.dtype), requires_grad=False)
             lin.bias = nn.Parameter(torch.empty(0, dtype=lin.bias.dtype), requires_grad=False)
-        self.to_out[0].pack_for_onednn(dtype, w8a8)
+        self.to_out[0].pack_for_onednn(dtype, w8a8, native)
 
     def forward(self, x: torch.Tensor, norm: RowNorm, gate: torch.Tensor, rope: torch.Tensor,
                 bs: int, back: int, ahead: int, window: AttentionWindow) -> torch.Tensor:
@@ -548,13 +565,25 @@ class DiTModel(nn.Module):
         return attach_kernel(self, Attention, lambda: WindowAttentionKernel(c.head_dim, c.block_size),
                              "the token2wav DiT's attention")
 
-    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None) -> int:
+    def stack_fits(self) -> bool:
+        """Whether this DiT's shapes suit the native attention and block stack (on the CPU,
+        windows of at most MAX_SLOTS blocks): what use_native_stack needs besides the kernels
+        building. The native float32 products pay off only inside the stack (alone, their
+        GELU is a pass of its own, where oneDNN's GEMM applies it as it writes)."""
+        c = self.config
+        return (next(self.parameters()).device.type == "cpu"
+                and unsupported_reason(c.head_dim, c.block_size) is None
+                and all(b.back + 1 + b.ahead <= MAX_SLOTS for b in self.transformer_blocks))
+
+    def pack_for_onednn(self, dtype: torch.dtype = torch.float32, w8a8: W8A8Kernel | None = None,
+                        native: NativeLinearKernel | None = None) -> int:
         """Switch linears to oneDNN's packed GEMM where available, with weights (and GEMM
         inputs) in `dtype` (bfloat16: see DiTLinear.pack_for_onednn; the ODE state, norms,
         attention and residuals stay float32); returns how many. input_embed.proj stays plain
         (its weight is read in column slices); its mel columns, used at every evaluation, get a
         packed copy. w8a8: the products over every frame row (attention's q|k|v and output,
-        the feed-forwards: ~90% of the solve's multiply-adds) in int8 instead (DiTLinear)."""
+        the feed-forwards: ~90% of the solve's multiply-adds) in int8 instead (DiTLinear);
+        native (float32, no w8a8): those products in the native float32 kernel instead."""
         p = next(self.parameters())
         if not onednn_linear_available(p.device, p.dtype) or (dtype == torch.bfloat16
                                                                and not onednn_bf16_available()):
@@ -562,13 +591,13 @@ class DiTModel(nn.Module):
         self._time_cache.clear()      # computed by the other GEMM path
         attns = [m for m in self.modules() if isinstance(m, Attention)]
         for a in attns:
-            a.pack_for_onednn(dtype, w8a8)
+            a.pack_for_onednn(dtype, w8a8, native)
         ffs = {id(lin) for m in self.modules() if isinstance(m, FeedForward) for lin in m.ff.values()}
         done = {id(m) for a in attns for m in (a.to_q, a.to_k, a.to_v, a.to_out[0], a.qkv)}
         lins = [m for m in self.modules() if isinstance(m, DiTLinear) and m is not self.input_embed.proj
                 and id(m) not in done]
         for m in lins:
-            m.pack_for_onednn(dtype, w8a8 if id(m) in ffs else None)
+            m.pack_for_onednn(dtype, *((w8a8, native) if id(m) in ffs else ()))
         emb = self.input_embed
         mel = emb.part(0)
         emb.mel_proj = DiTLinear(mel.shape[1], mel.shape[0], bias=False, device=mel.device, dtype=mel.dtype)
@@ -579,17 +608,22 @@ class DiTModel(nn.Module):
 
     def use_native_stack(self) -> bool:
         """All blocks as one native call per evaluation (kernels/dit_stack.c) where every
-        frame-row product is int8 (pack_for_onednn with w8a8) and every layer has the native
-        attention (use_native_attention): the same kernels with the same arguments, so the
-        same bits; ~2.4 ms of Python less per evaluation. True when attached."""
+        frame-row product is int8 or native float32 (pack_for_onednn with w8a8 or native) and
+        every layer has the native attention (use_native_attention): the same kernels (int8:
+        with the same arguments, so the same bits; float32: the norms, GELU and residuals in C,
+        within float rounding of torch's); ~2.4 ms of Python less per evaluation. True when
+        attached."""
         blocks = list(self.transformer_blocks)
         layers = [_stack_layer(b) for b in blocks]
         if not layers or any(x is None for x in layers):
             return False
         attn = blocks[0].attn
+        lins = [lin for b in blocks for lin in (b.attn.qkv, b.attn.to_out[0], *b.ff.ff.values())]
+        w8a8 = next((lin.w8a8_kernel for lin in lins if lin.w8a8 is not None), None)
+        native = next((lin.native_kernel for lin in lins if lin.native is not None), None)
         try:
-            self.stack = NativeDiTStack(attn.qkv.w8a8_kernel, attn.kernel, layers, self.config.hidden_size,
-                                        attn.heads, NORM_EPS)
+            self.stack = NativeDiTStack(attn.kernel, layers, self.config.hidden_size, attn.heads, NORM_EPS,
+                                        w8a8=w8a8, linear=native)
         except NativeBuildError as e:
             log.info("the token2wav DiT's blocks stay one call each: %s", e)
             return False
@@ -598,12 +632,12 @@ class DiTModel(nn.Module):
 
 
 def _stack_layer(block: DiTBlock) -> DiTLayerProducts | None:
-    """A block's int8 products for the stack, or None where it has another kind of product or
-    no native attention."""
+    """A block's products for the stack, or None where one is neither int8 nor native float32,
+    or the block has no native attention."""
     a, ff = block.attn, block.ff.ff
     lins = (a.qkv, a.to_out[0], ff["0"], ff["3"])
-    if (a.kernel is None or any(lin is None or lin.w8a8 is None for lin in lins)
+    if (a.kernel is None or any(lin is None or (lin.w8a8 is None and lin.native is None) for lin in lins)
             or block.back + 1 + block.ahead > MAX_SLOTS):
         return None
-    return DiTLayerProducts(*(W8A8Product(lin.w8a8, lin.packed_bias) for lin in lins),
-                            back=block.back, ahead=block.ahead)
+    products = [StackProduct(lin.w8a8 if lin.w8a8 is not None else lin.native, lin.packed_bias) for lin in lins]
+    return DiTLayerProducts(*products, back=block.back, ahead=block.ahead)

@@ -269,6 +269,36 @@ def test_int8_native_stack_is_the_per_block_path(models):
             stack(h, mods, lengths, rope)
 
 
+def test_float32_native_stack_stays_close_and_keeps_batch_invariance(models):
+    """float32 with the native products (pack_for_onednn(native=...)) and the blocks in one
+    native call (use_native_stack, as the recipe builds the default DiT): the mel within fp32
+    noise of the reference forward (atol 1e-4 after 36 passes), and a request's mel the same
+    bits alone as in a batch (every product, norm and residual is per row)."""
+    from omnistage.kernels.build import NativeBuildError
+    from omnistage.kernels.linear import NativeLinearKernel
+
+    _, ours = models
+    native = Token2Wav(ours.config)
+    native.load_weights(((f"token2wav.{k}", v) for k, v in ours.state_dict().items()))
+    try:
+        kernel = NativeLinearKernel()
+    except NativeBuildError as e:
+        pytest.skip(f"the native linear kernel does not build here: {e}")
+    assert native.dit.stack_fits()
+    if native.dit.pack_for_onednn(torch.float32, None, kernel) == 0 or not native.dit.use_native_attention():
+        pytest.skip("oneDNN packed linear or the window attention kernel is not available here")
+    assert native.dit.transformer_blocks[0].ff.ff["0"].native is not None
+    assert native.dit.use_native_stack()
+    reqs = []
+    for i, (n, r, g) in enumerate([(25, 20, 0.5), (40, 31, 0.0), (13, 12, 0.5)]):
+        codes, cond, ref = utterance(n, seed=40 + i, ref_frames=r)
+        reqs.append(Token2WavRequest(codes, cond, ref, torch.randn(1, 2 * n, MEL), guidance_scale=g))
+    batch, want = native.mel_batch(reqs), ours.mel_batch(reqs)
+    for req, got, ref_mel in zip(reqs, batch, want):
+        torch.testing.assert_close(got, ref_mel, atol=1e-4, rtol=1e-4)
+        assert torch.equal(native.mel_batch([req])[0], got)
+
+
 # ---------------------------------------------------------------- streaming
 
 def test_vocoder_windows_are_exact(models):
