@@ -522,6 +522,7 @@ def write_timeline(path: str, res: LevelResult, append: bool) -> None:
 
 def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResult]:
     from omnistage import AsyncOmni
+    from omnistage.runtime.process import freeze_loaded_heap
 
     options = dict(args.engine_opt)
     if args.threads:
@@ -532,6 +533,7 @@ def run_omnistage(args: argparse.Namespace, report: dict) -> dict[int, LevelResu
                        deploy_config=args.deploy_config, **options)
     report["omnistage_engine_start_s"] = round(time.perf_counter() - t0, 3)
     report["omnistage_options"] = options
+    freeze_loaded_heap()       # as `omnistage serve` does once its engine is built
     log(f"[omnistage] engine started in {report['omnistage_engine_start_s']:.1f} s; stages "
         f"{list(engine.engine.graph.stages)}")
     levels: dict[int, LevelResult] = {}

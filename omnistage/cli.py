@@ -390,12 +390,14 @@ def serve_parts(args: argparse.Namespace, api_key: str | None):
 
     from omnistage import AsyncOmni
     from omnistage.entrypoints.model_source import resolve_model
+    from omnistage.runtime.process import freeze_loaded_heap
     from omnistage.server.app import build_app
     from omnistage.server.realtime_events import WS_MAX_MESSAGE_BYTES
 
     model_dir = resolve_model(args.model)      # tiny:ARCH built here, once
     limits = _server_limits(args, model_dir)
     engine = AsyncOmni(model_dir, **engine_options(args), **model_settings(args, model_dir))
+    freeze_loaded_heap()      # the server's objects so far live as long as it: out of the GC's walks
     app = build_app(engine, args.served_model_name or args.model, api_key, limits)
     # over uvicorn's 16 MiB: an oversized Realtime event is an error event, not a close (1009)
     # access_log off: omnistage.access logs each request when it ends (uvicorn's at its start)

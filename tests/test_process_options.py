@@ -107,3 +107,27 @@ def test_serial_threads_open_no_openmp_team():
     assert out["plain"] > out["idle"], out           # the control: a plain thread makes a team
     assert out["serial"] == out["idle"], out
     assert out["pooled"] == out["idle"], out         # (its one thread stands for the idle one)
+
+
+def test_freeze_loaded_heap_collects_cycles_first_and_freezes_the_rest():
+    """What a built server or stage worker does: garbage in reference cycles is collected
+    before the freeze (never kept for the process's life), and what is alive leaves the
+    collector's walks (gc.get_freeze_count). Restored after (gc.unfreeze)."""
+    import gc
+    import weakref
+
+    from omnistage.runtime.process import freeze_loaded_heap
+
+    class Node:
+        pass
+
+    dead = Node()
+    dead.me = dead                      # a cycle: only the collector frees it
+    gone = weakref.ref(dead)
+    del dead
+    try:
+        freeze_loaded_heap()
+        assert gone() is None
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

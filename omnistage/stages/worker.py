@@ -18,6 +18,7 @@ import msgspec
 from omnistage.config import EngineConfig
 from omnistage.errors import OmniStageError
 from omnistage.runtime.channel import Channel, PeerDeadError
+from omnistage.runtime.process import freeze_loaded_heap
 from omnistage.stage_messages import StageFailure
 from omnistage.stages.recipe import load_recipe
 
@@ -66,6 +67,7 @@ def worker_main(spec: bytes, recipe: str) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
             channel.send(InitFailed(f"building stage {init.name!r} failed: {e!r}\n{traceback.format_exc()}"))
             return
+        freeze_loaded_heap()         # the stage lives as long as this process
         channel.send(Ready(init.name))
         _serve(channel, stage)
     except PeerDeadError:
