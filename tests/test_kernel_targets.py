@@ -33,6 +33,7 @@ SOURCES = {
     "linear_w8a8.c": [()],
     "paged_attention.c": [ATTENTION, (*ATTENTION, "-DKV_BF16=1")],
     "decoder_stack.c": [()],
+    "dit_stack.c": [()],
     "snake.c": [()],
     "aa_snake.c": [()],
     "code2wav_unit.c": [()],
