@@ -45,6 +45,17 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+class GreedyChooser(Protocol):
+    """Greedy rows with bans and HF's repetition penalty applied on the way, without editing
+    the logits: the token mask_banned, apply_penalties (repetition only) and the argmax give.
+    kernels.argmax.ArgmaxKernel is one."""
+
+    def supports(self, x: torch.Tensor) -> bool: ...
+
+    def greedy(self, x: torch.Tensor, banned: list[torch.Tensor], seen: list[torch.Tensor],
+               penalties: list[float]) -> torch.Tensor: ...
+
+
 @dataclass
 class SamplingBatch:
     """Per-row settings for one engine step; row i matches logits[i]."""
@@ -106,6 +117,12 @@ class _Plan:
         return (not self.sample_rows and not self.penalty_rows and not self.any_banned
                 and self.logprobs_k is None)
 
+    def greedy_with_repetition(self, params: list[SamplingParams]) -> bool:
+        """Every row greedy, no logprobs, and no penalty but the repetition penalty."""
+        return (not self.sample_rows and self.logprobs_k is None
+                and all(params[i].presence_penalty == 0.0 and params[i].frequency_penalty == 0.0
+                        for i in self.penalty_rows))
+
 
 class Sampler:
     """Stateless apart from the default generator(s) used for unseeded rows.
@@ -114,12 +131,17 @@ class Sampler:
     full sort (a speed knob only; results do not depend on it).
     argmax: the row argmax of greedy rows and of the sampled rows' exponential race (torch's,
     or the native kernel on CPU, llm/runner_builder.py: the same answers, ~5x faster).
+    greedy: where given, batches of greedy rows with bans and a repetition penalty only (a
+    talker's every step) go through it in one call (the same tokens; a talker's row ~0.3 ->
+    ~0.05 ms).
     """
 
-    def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD, argmax: RowArgmax = torch_argmax):
+    def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD, argmax: RowArgmax = torch_argmax,
+                 greedy: GreedyChooser | None = None):
         self.seed = seed
         self.sort_head = sort_head
         self.argmax = argmax
+        self.greedy = greedy
         self._generators: dict[torch.device, torch.Generator] = {}  # lazily, one per device
 
     def default_generator(self, device: torch.device) -> torch.Generator:
@@ -136,6 +158,9 @@ class Sampler:
         plan = _Plan.of(batch)
         if plan.pure_greedy:  # fast path: one argmax (float(): bf16 argmax is slow on CPU)
             return SamplerOutput(self.argmax(logits.float()), None, None, None)
+        if (self.greedy is not None and plan.greedy_with_repetition(batch.params)
+                and self.greedy.supports(logits)):
+            return SamplerOutput(self._greedy(logits, batch, plan), None, None, None)
 
         raw = logits.float()  # (B, V); aliases `logits` when it is already float32: never edit in place
         x = raw.clone() if (plan.any_banned or plan.penalty_rows) else raw
@@ -148,6 +173,19 @@ class Sampler:
         if plan.logprobs_k is None:
             return SamplerOutput(token_ids, None, None, None)
         return _with_logprobs(raw, token_ids, plan.logprobs_k)
+
+    def _greedy(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
+        """Greedy rows with bans and repetition penalties in one GreedyChooser call."""
+        rows = set(plan.penalty_rows)
+        seen, penalties = [], []
+        for i, p in enumerate(batch.params):
+            r = p.repetition_penalty if i in rows else 1.0
+            ids = itertools.chain(batch.prompt_token_ids[i], batch.output_token_ids[i]) if r != 1.0 else ()
+            seen.append(torch.from_numpy(np.fromiter(ids, dtype=np.int64)))
+            penalties.append(r)
+        banned = [b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.int64)
+                  for b in batch.banned_token_ids]
+        return self.greedy.greedy(x, [b.to(torch.int64).contiguous() for b in banned], seen, penalties)
 
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
         """x: (B, V) float32 processed logits -> (B,) int64 ids (argmax for greedy rows)."""

@@ -395,3 +395,58 @@ def test_batch_rows_must_match():
         SamplingBatch([SamplingParams()], [], [[]], [[]], [[]])
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), make_batch([SamplingParams()]))
+
+
+def test_native_greedy_chooser_gives_the_torch_paths_tokens():
+    """Greedy rows with bans and repetition penalties through one native call
+    (ArgmaxKernel.greedy) choose what the torch path (mask, penalties, argmax) chooses: seen
+    ids made the favourites (the penalty decides), repeated ids (penalised once), ids outside
+    [0, V), bans as tensors and lists, a banned seen id, a NaN row, an all -inf row but one,
+    signed zeros, bf16-free float32 rows; presence / frequency penalties and logprobs go the
+    torch way (the chooser is not called)."""
+    from omnistage.kernels.argmax import ArgmaxKernel
+    from omnistage.kernels.build import NativeBuildError
+
+    try:
+        kernel = ArgmaxKernel()
+    except NativeBuildError as e:
+        pytest.skip(f"the argmax kernel does not build here: {e}")
+
+    class Counting:
+        calls = 0
+
+        def supports(self, x):
+            return kernel.supports(x)
+
+        def greedy(self, *args):
+            Counting.calls += 1
+            return kernel.greedy(*args)
+
+    V, B = 300, 9
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(B, V, generator=g) * 3
+    prompts = [[int(t) for t in torch.randint(-3, V + 3, (40,), generator=g)] for _ in range(B)]
+    outputs = [[int(t) for t in torch.randint(0, V, (25,), generator=g)] * 2 for _ in range(B)]
+    for i in range(B):                                 # a seen id the raw favourite
+        logits[i, outputs[i][0]] = logits[i].max() + 0.05
+    logits[1, 5], logits[1, 6] = -0.0, 0.0
+    outputs[1] += [5, 6]
+    logits[2, 17] = float("nan")
+    logits[3] = -float("inf")
+    logits[3, 40] = -5.0
+    banned = [torch.tensor([outputs[0][0], 3, V + 9, -1]), [], [0, 1], [], torch.tensor([outputs[4][0]]),
+              [], [], [V - 1], torch.tensor([], dtype=torch.int64)]
+    reps = [1.3, 0.7, 1.1, 1.0, 1.5, 2.0, 1.05, 1.2, 1.0]
+    params = [SamplingParams(temperature=0.0, repetition_penalty=r) for r in reps]
+    batch = make_batch(params, prompts=prompts, outputs=outputs, banned=banned)
+    want = Sampler()(logits, batch).token_ids
+    chooser = Counting()
+    got = Sampler(argmax=kernel, greedy=chooser)(logits, batch).token_ids
+    assert chooser.calls == 1 and torch.equal(got, want)
+    assert want.tolist() != logits.nan_to_num(nan=-1e9).argmax(-1).tolist()   # the penalties decide
+    for other in (SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.2, logprobs=2)):
+        mixed = make_batch(params[:-1] + [other], prompts=prompts, outputs=outputs, banned=banned)
+        assert torch.equal(Sampler(argmax=kernel, greedy=chooser)(logits, mixed).token_ids,
+                           Sampler()(logits, mixed).token_ids)
+    assert chooser.calls == 1
