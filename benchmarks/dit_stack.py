@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.dit_attention import load, solve_seconds  # noqa: E402
+from benchmarks.dit_attention import load, pair_report, solve_seconds  # noqa: E402
 from benchmarks.machine import cpu_description, cpu_line  # noqa: E402
 
 
@@ -42,10 +41,7 @@ def compare(t2w, speaker, streams: int, pairs: int, log) -> dict:
         a, b = runs[-1]
         log(f"streams {streams} pair {i}: stack {a:.4f} s  per-block {b:.4f} s  ({b / a:.2f}x)")
     t2w.dit.stack = stack
-    return {"streams": streams, "runs_s": [[round(a, 4), round(b, 4)] for a, b in runs],
-            "median_stack_s": round(statistics.median(a for a, _ in runs), 4),
-            "median_per_block_s": round(statistics.median(b for _, b in runs), 4),
-            "median_speedup": round(statistics.median(b / a for a, b in runs), 3)}
+    return {"streams": streams, **pair_report(runs, "stack", "per_block")}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -67,6 +67,19 @@ def test_dit_attention_benchmark_toy_run(tiny_omni, capsys):
     assert "speedup" in capsys.readouterr().err
 
 
+def test_dit_stack_benchmark_toy_run(tiny_omni, capsys):
+    """Both kinds of products (int8, float32), one pair each."""
+    from benchmarks import dit_stack
+
+    for flags, products in (([], "int8"), (["--float32"], "float32")):
+        report = dit_stack.main(["--model", tiny_omni, "--streams", "2", "--pairs", "1", *flags])
+        assert report["products"] == products
+        [level] = report["levels"]
+        [[stack, per_block]] = level["runs_s"]
+        assert level["streams"] == 2 and stack > 0 and per_block > 0 and level["median_speedup"] > 0
+        assert "speedup" in capsys.readouterr().err
+
+
 def test_dit_gemm_benchmark_toy_run(tiny_omni, capsys):
     """Needs bf16 dot products for its solve A/B (the recipe's --token2wav-bf16 packing)."""
     from benchmarks import dit_gemm
