@@ -160,7 +160,7 @@ class Sampler:
             return SamplerOutput(self.argmax(logits.float()), None, None, None)
         if (self.greedy is not None and plan.greedy_with_repetition(batch.params)
                 and self.greedy.supports(logits)):
-            return SamplerOutput(self._greedy(logits, batch, plan), None, None, None)
+            return SamplerOutput(self._greedy(logits, batch), None, None, None)
 
         raw = logits.float()  # (B, V); aliases `logits` when it is already float32: never edit in place
         x = raw.clone() if (plan.any_banned or plan.penalty_rows) else raw
@@ -174,18 +174,14 @@ class Sampler:
             return SamplerOutput(token_ids, None, None, None)
         return _with_logprobs(raw, token_ids, plan.logprobs_k)
 
-    def _greedy(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
-        """Greedy rows with bans and repetition penalties in one GreedyChooser call."""
-        rows = set(plan.penalty_rows)
-        seen, penalties = [], []
-        for i, p in enumerate(batch.params):
-            r = p.repetition_penalty if i in rows else 1.0
-            ids = itertools.chain(batch.prompt_token_ids[i], batch.output_token_ids[i]) if r != 1.0 else ()
-            seen.append(torch.from_numpy(np.fromiter(ids, dtype=np.int64)))
-            penalties.append(r)
-        banned = [b if isinstance(b, torch.Tensor) else torch.tensor(b, dtype=torch.int64)
-                  for b in batch.banned_token_ids]
-        return self.greedy.greedy(x, [b.to(torch.int64).contiguous() for b in banned], seen, penalties)
+    def _greedy(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Greedy rows with bans and repetition penalties in one GreedyChooser call (a row
+        without penalties has repetition_penalty 1.0: nothing seen is read)."""
+        penalties = [p.repetition_penalty for p in batch.params]
+        seen = [torch.from_numpy(np.fromiter(itertools.chain(prompt, out) if r != 1.0 else (), dtype=np.int64))
+                for r, prompt, out in zip(penalties, batch.prompt_token_ids, batch.output_token_ids)]
+        banned = [torch.as_tensor(b, dtype=torch.int64).contiguous() for b in batch.banned_token_ids]
+        return self.greedy.greedy(x, banned, seen, penalties)
 
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
         """x: (B, V) float32 processed logits -> (B,) int64 ids (argmax for greedy rows)."""

@@ -615,7 +615,7 @@ class DiTModel(nn.Module):
         attached."""
         blocks = list(self.transformer_blocks)
         layers = [_stack_layer(b) for b in blocks]
-        if not layers or any(x is None for x in layers):
+        if not self.stack_fits() or not layers or any(x is None for x in layers):
             return False
         attn = blocks[0].attn
         lins = [lin for b in blocks for lin in (b.attn.qkv, b.attn.to_out[0], *b.ff.ff.values())]
@@ -633,11 +633,10 @@ class DiTModel(nn.Module):
 
 def _stack_layer(block: DiTBlock) -> DiTLayerProducts | None:
     """A block's products for the stack, or None where one is neither int8 nor native float32,
-    or the block has no native attention."""
+    or the block has no native attention (its window's width: DiTModel.stack_fits)."""
     a, ff = block.attn, block.ff.ff
     lins = (a.qkv, a.to_out[0], ff["0"], ff["3"])
-    if (a.kernel is None or any(lin is None or (lin.w8a8 is None and lin.native is None) for lin in lins)
-            or block.back + 1 + block.ahead > MAX_SLOTS):
+    if a.kernel is None or any(lin is None or (lin.w8a8 is None and lin.native is None) for lin in lins):
         return None
     products = [StackProduct(lin.w8a8 if lin.w8a8 is not None else lin.native, lin.packed_bias) for lin in lins]
     return DiTLayerProducts(*products, back=block.back, ahead=block.ahead)
