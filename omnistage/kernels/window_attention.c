@@ -33,11 +33,16 @@
  * softmax(q k^T) v.
  *
  * Work: one task per (row, block, head), split with OpenMP (torch's runtime, as the other
- * kernels). Four queries at a time share each load of K (scores) and of V (weighted sums). */
+ * kernels). Four queries at a time share each load of K (scores) and of V (weighted sums).
+ * A task transposes its window's keys 16 x 16 at a time in registers (transpose16) and keeps
+ * each query's running maximum in a vector: as scalar stores and a 15-step lane maximum per
+ * score vector they were ~a third of a task (small checkpoint, 240 rows, one thread: a layer
+ * of 24-key windows 148 -> 109 us, of 48-key ones 223 -> 186 us; the same bits). */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if HEAD_DIM % 16 != 0 || BLOCK % 4 != 0
 #error "HEAD_DIM must be a multiple of 16 and BLOCK a multiple of 4"
@@ -119,33 +124,82 @@ static inline void read_head(const Problem *p, const io_t *x, int64_t b, int64_t
     }
 }
 
+/* Lanes [0, 16) of row a with those of row c: the rows' lanes whose bit `b` is set trade places
+ * with the other row's lanes whose bit is clear. Applied for b = 8, 4, 2, 1 over 16 rows, it
+ * transposes them (each step swaps the off-diagonal b x b blocks of every 2b x 2b block). */
+#define SWAP_BLOCKS(a, c, I0, I1)                                                         \
+    do {                                                                                      \
+        const vf a_ = (a), c_ = (c);                                                          \
+        (a) = __builtin_shufflevector(a_, c_, I0);                                            \
+        (c) = __builtin_shufflevector(a_, c_, I1);                                            \
+    } while (0)
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+
+static inline void transpose16(vf m[16]) {
+    for (int i = 0; i < 8; i++) SWAP_BLOCKS(m[i], m[i + 8], LO8, HI8);
+    for (int i = 0; i < 16; i++) if (!(i & 4)) SWAP_BLOCKS(m[i], m[i + 4], LO4, HI4);
+    for (int i = 0; i < 16; i++) if (!(i & 2)) SWAP_BLOCKS(m[i], m[i + 2], LO2, HI2);
+    for (int i = 0; i < 16; i++) if (!(i & 1)) SWAP_BLOCKS(m[i], m[i + 1], LO1, HI1);
+}
+
+/* Keys rows[0 .. n) (n <= 16, HEAD_DIM floats each) into columns kk0 .. kk0 + n of KT, 16 x 16
+ * blocks at a time through transpose16 (the rows past n zero; only n lanes are stored). */
+static void keys_to_columns(Scratch *w, const float (*rows)[HEAD_DIM], int n, int64_t kk0) {
+    for (int d0 = 0; d0 < HEAD_DIM; d0 += LANES) {
+        vf m[16];
+        for (int r = 0; r < 16; r++) m[r] = r < n ? load(rows[r] + d0) : (vf){};
+        transpose16(m);
+        for (int d = 0; d < LANES; d++) {
+            if (n == 16) store(KT(w, d0 + d) + kk0, m[d]);
+            else __builtin_memcpy(KT(w, d0 + d) + kk0, &m[d], (size_t)n * sizeof(float));
+        }
+    }
+}
+
 /* The window of block j in row b, head h: keys transposed, value rows, masks. Returns the
  * number of keys (slots * BLOCK). */
 static int64_t gather_window(Scratch *w, const Problem *p, int64_t b, int64_t j, int64_t h) {
     const int64_t hd = p->heads * HEAD_DIM, frame = 3 * hd, nb = p->frames / BLOCK;
     const int64_t slots = p->back + 1 + p->ahead, keys = slots * BLOCK, len = p->lengths[b];
     const io_t *row = p->qkv + b * p->frames * frame;
+    float block[BLOCK][HEAD_DIM];                  /* the slot's keys, row by row */
     for (int64_t i = 0; i < slots; i++) {
         const int64_t jb = j - p->back + i;
         const int inside = jb >= 0 && jb < nb;
         for (int64_t r = 0; r < BLOCK; r++) {
             const int64_t kk = i * BLOCK + r, t = jb * BLOCK + r;
             if (inside) {
-                read_head(p, row + t * frame + hd + h * HEAD_DIM, b, t, h, 1.0f, KT(w, 0) + kk, w->span);
+                read_head(p, row + t * frame + hd + h * HEAD_DIM, b, t, h, 1.0f, block[r], 1);
                 w->v[kk] = row + t * frame + 2 * hd + h * HEAD_DIM;
             } else {
-                for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = 0.0f;
                 w->v[kk] = NULL;
             }
             ALLOWED(w, 0)[kk] = inside && t < len ? 0.0f : -INFINITY;
             ALLOWED(w, 1)[kk] = 0.0f;
         }
+        if (!inside)
+            memset(block, 0, sizeof block);
+        for (int r0 = 0; r0 < BLOCK; r0 += 16)
+            keys_to_columns(w, (const float (*)[HEAD_DIM])block + r0, BLOCK - r0 < 16 ? BLOCK - r0 : 16,
+                            i * BLOCK + r0);
     }
-    for (int64_t kk = keys; kk < w->span; kk++) {       /* lanes past the window */
+    return keys;
+}
+
+/* The lanes past the window (keys .. span): zero keys, never allowed. The same for every task
+ * of a call (the window's width is the call's), so set once per thread. */
+static void past_window(Scratch *w, int64_t keys) {
+    for (int64_t kk = keys; kk < w->span; kk++) {
         for (int d = 0; d < HEAD_DIM; d++) KT(w, d)[kk] = 0.0f;
         ALLOWED(w, 0)[kk] = ALLOWED(w, 1)[kk] = -INFINITY;
     }
-    return keys;
 }
 
 /* Scores of queries r0..r0+3 against every key, masked, turned into weights; returns their
@@ -153,6 +207,9 @@ static int64_t gather_window(Scratch *w, const Problem *p, int64_t b, int64_t j,
 static void weights4(Scratch *w, int64_t r0, const int pad[4], float sums[4]) {
     const int64_t span = w->span;
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#ifndef NARROW
+    vf mv[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};  /* per lane */
+#endif
     for (int64_t k0 = 0; k0 < span; k0 += LANES) {
 #ifdef NARROW
         /* 8-lane registers: 4 queries x 2 halves of the 16 keys (with 16-lane vector types GCC
@@ -190,11 +247,13 @@ static void weights4(Scratch *w, int64_t r0, const int pad[4], float sums[4]) {
             vf sc = load(ALLOWED(w, pad[g]) + k0);
             for (int i = 0; i < SPLIT; i++) sc += a[g][i];
             store(S(w, r0 + g) + k0, sc);
-            const float m = max_lanes(sc);
-            mx[g] = m > mx[g] ? m : mx[g];
+            mv[g] = vmax(mv[g], sc);
         }
 #endif
     }
+#ifndef NARROW
+    for (int g = 0; g < 4; g++) mx[g] = max_tree(mv[g]);
+#endif
     for (int g = 0; g < 4; g++) {
         vf total = (vf){};
         for (int64_t k0 = 0; k0 < span; k0 += LANES) {
@@ -221,13 +280,16 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
         /* All four outputs at once (4 x CHUNKS accumulators of the 32 registers): each key's V
          * row and its four weights loaded once. */
         vf o[4][CHUNKS] = {};
+        const float *e0 = S(w, r0);
+        const io_t *const *vrows = w->v;
+        const int64_t span = w->span;
         for (int64_t kk = 0; kk < keys; kk++) {
-            const io_t *v = w->v[kk];
+            const io_t *v = vrows[kk];
             if (v == NULL) continue;                        /* a zero value row */
             vf vr[CHUNKS];
             for (int c = 0; c < CHUNKS; c++) vr[c] = load_io(v + c * LANES);
             for (int g = 0; g < 4; g++) {
-                const float e = S(w, r0 + g)[kk];
+                const float e = e0[g * span + kk];
                 for (int c = 0; c < CHUNKS; c++) o[g][c] += e * vr[c];
             }
         }
@@ -291,6 +353,7 @@ int window_attention(const io_t *qkv, io_t *out, const int64_t *lengths, const f
             w->kt = (float *)((char *)w + head);
             w->s = w->kt + HEAD_DIM * span;
             w->allowed = w->s + BLOCK * span;
+            past_window(w, (back + 1 + ahead) * BLOCK);
         }
         #pragma omp for schedule(static)
         for (int64_t k = 0; k < tasks; k++) {
