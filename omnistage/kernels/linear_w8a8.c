@@ -353,7 +353,7 @@ static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const i
                           int64_t k4, const float *ws, const int32_t *wc, const float *bias,
                           int32_t act, const W8A8Fuse *fuse, int64_t n0, float *y, int64_t ldy,
                           int64_t r0, int64_t r1, int64_t cols, int amx) {
-    int32_t isum[AMX_ROWS][PANEL];
+    int32_t isum[AMX_ROWS][PANEL] __attribute__((aligned(64)));
     const int step = amx ? AMX_ROWS : MR;
     for (int64_t r = r0; r < r1; r += step) {
         const int rows = r1 - r < step ? (int)(r1 - r) : step;
@@ -373,37 +373,14 @@ static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const i
     }
 }
 
-/* Rows [0, m) of x quantized into u and sx (after fuse's norm where it has one, through a
- * per-thread row of scratch); 0 if that scratch could not be had. */
-static int quantize_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp,
-                         const W8A8Fuse *fuse, uint8_t *u, float *sx) {
-    const int norm = fuse != NULL && fuse->norm_w != NULL;
-    int ok = 1;
-    #pragma omp parallel if (m > 16)
-    {
-        float *row = norm ? malloc(sizeof(float) * (size_t)(k > 0 ? k : 1)) : NULL;
-        if (norm && row == NULL) {
-            #pragma omp atomic write
-            ok = 0;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) {
-            const float *src = x + r * ldx;
-            if (row != NULL) {
-                norm_row(src, k, fuse->norm_w, fuse->norm_b, fuse->eps, row);
-                src = row;
-            }
-            quantize_row(src, k, kp, u + r * kp, sx + r);
-        }
-        free(row);
-    }
-    return ok;
-}
-
 /* y (m, n; row stride ldy) = act(x (m, k; row stride ldx) W^T + bias (may be NULL)), W packed
  * as at the top (panels, sw, comp); act 0: none, 1: gelu_tanh; fuse: see W8A8Fuse (NULL:
  * none); amx: the AMX path (only once linear_w8a8_amx() returned 1). Scratch for the quantized
- * rows is malloc'ed per call; if it cannot be had, y is filled with NaN. */
+ * rows is malloc'ed per call; if it cannot be had, y is filled with NaN.
+ *
+ * One OpenMP region per call: the rows are quantized (after fuse's norm, through a per-thread
+ * row of scratch), then, past the loop's barrier, the products. At DiT sizes (240 rows, K =
+ * 256) a second region's start and end were a visible share of a ~50 us call. */
 void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
                  const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
                  int64_t m, int64_t n, int64_t k, int32_t amx, const W8A8Fuse *fuse) {
@@ -413,33 +390,51 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     const int64_t k4 = (k + 3) / 4, kp = 4 * k4, num_panels = (n + PANEL - 1) / PANEL;
     const int64_t row_block = amx ? AMX_BLOCK : ROW_BLOCK, blocks = (m + row_block - 1) / row_block;
     const int64_t rows_held = amx ? (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : m;
-    uint8_t *u = malloc((size_t)(rows_held * kp > 0 ? rows_held * kp : 1));
+    const int norm = fuse != NULL && fuse->norm_w != NULL;
+    /* 64-byte aligned: AMX loads its tiles' rows from here */
+    uint8_t *u = aligned_alloc(64, (size_t)((rows_held * kp + 63) / 64 * 64 + 64));
     float *sx = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-    if (u == NULL || sx == NULL || !quantize_rows(x, ldx, m, k, kp, fuse, u, sx)) {
+    const int have = u != NULL && sx != NULL;
+    int ok = have;                        /* 0 once a thread misses its row of scratch */
+    if (have) memset(u + m * kp, 128, (size_t)((rows_held - m) * kp));   /* padding rows: qx = 0 */
+    #pragma omp parallel if (have && m * n > 4096)
+    {
+        float *row = have && norm ? malloc(sizeof(float) * (size_t)(k > 0 ? k : 1)) : NULL;
+        if (have && norm && row == NULL) {
+            #pragma omp atomic write
+            ok = 0;
+        }
+        /* Without its row a thread quantizes rows un-normed: y is all NaN then anyway. */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < (have ? m : 0); r++) {
+            const float *src = x + r * ldx;
+            if (row != NULL) {
+                norm_row(src, k, fuse->norm_w, fuse->norm_b, fuse->eps, row);
+                src = row;
+            }
+            quantize_row(src, k, kp, u + r * kp, sx + r);
+        }                                 /* the loop's barrier: every row quantized */
+        free(row);
+        if (ok) {
+#ifdef W8A8_AMX
+            if (amx) amx_configure();
+#endif
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < blocks * num_panels; item++) {
+                const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
+                const int64_t r1 = (b + 1) * row_block < m ? (b + 1) * row_block : m;
+                rows_of_panel(u, kp, sx, panels + j * k4 * 256, k4, sw + j * PANEL, comp + j * PANEL,
+                              bias != NULL ? bias + n0 : NULL, act, fuse, n0, y + n0, ldy, b * row_block, r1,
+                              n - n0 < PANEL ? n - n0 : PANEL, amx);
+            }
+#ifdef W8A8_AMX
+            if (amx) _tile_release();
+#endif
+        }
+    }
+    if (!ok)
         for (int64_t r = 0; r < m; r++)
             for (int64_t c = 0; c < n; c++) y[r * ldy + c] = __builtin_nanf("");
-        free(u);
-        free(sx);
-        return;
-    }
-    memset(u + m * kp, 128, (size_t)((rows_held - m) * kp));     /* padding rows: qx = 0 */
-    #pragma omp parallel
-    {
-#ifdef W8A8_AMX
-    if (amx) amx_configure();
-#endif
-    #pragma omp for schedule(static)
-    for (int64_t item = 0; item < blocks * num_panels; item++) {
-        const int64_t b = item / num_panels, j = item % num_panels, n0 = j * PANEL;
-        const int64_t r1 = (b + 1) * row_block < m ? (b + 1) * row_block : m;
-        rows_of_panel(u, kp, sx, panels + j * k4 * 256, k4, sw + j * PANEL, comp + j * PANEL,
-                      bias != NULL ? bias + n0 : NULL, act, fuse, n0, y + n0, ldy, b * row_block, r1,
-                      n - n0 < PANEL ? n - n0 : PANEL, amx);
-    }
-#ifdef W8A8_AMX
-    if (amx) _tile_release();
-#endif
-    }
     free(u);
     free(sx);
 }
