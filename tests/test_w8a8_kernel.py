@@ -174,3 +174,24 @@ def test_norm_before_and_gated_residual_after_in_the_same_call(fast, plain, vnni
         fast(x, packed, bias, residual=GatedResidual(res[:-1] if m > 1 else torch.randn(2, n), gate))
     with pytest.raises(ValueError, match="norm weight"):
         fast(x, packed, bias, norm=RowNorm(norm.weight[:-1], norm.bias, 1e-6))
+
+
+# rows: fewer blocks than two a thread (the two calls), then whole and partial row blocks
+@pytest.mark.parametrize("m", [3, 240, 601])
+def test_feed_forward_in_one_call_is_the_two_calls(fast, plain, vnni, narrow, m):
+    """linear_w8a8_ffn (norm, up, GELU, down, gated residual, row block by row block) gives
+    the bits of the two calls it replaces, on every path."""
+    g = torch.Generator().manual_seed(m)
+    k, f = 96, 200                              # f not a multiple of the 64-column panels
+    x = torch.randn(m, k, generator=g) * 2
+    up, down = pack_w8a8(torch.randn(f, k, generator=g) * 0.1), pack_w8a8(torch.randn(k, f, generator=g) * 0.1)
+    ub, db = torch.randn(f, generator=g), torch.randn(k, generator=g)
+    norm = RowNorm(torch.randn(k, generator=g) * 0.2 + 1, torch.randn(k, generator=g) * 0.1, 1e-6)
+    res = GatedResidual(torch.randn(m, k, generator=g), torch.randn(k, generator=g))
+    for kernel in (fast, plain, vnni, narrow):
+        want = kernel(kernel(x, up, ub, "gelu_tanh", norm=norm), down, db, residual=res)
+        assert torch.equal(kernel.feed_forward(x, up, ub, down, db, norm, res), want)
+        assert torch.equal(kernel.feed_forward(x, up, None, down, None),
+                           kernel(kernel(x, up, None, "gelu_tanh"), down, None))
+    with pytest.raises(ValueError, match="feed-forward"):
+        fast.feed_forward(x, up, ub, up, db)      # up's outputs are not down's inputs

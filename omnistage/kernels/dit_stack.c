@@ -15,7 +15,9 @@
  *   f   = gelu_tanh(P(LayerNorm(h2) * (1 + scale_f) + shift_f))
  *   h   = h2 + gate_f * P(f)
  * An int8 product P takes the norm, the GELU and the gated residual in its own passes
- * (W8A8Fuse), with the arguments the per-op path gives it: the same bits. Around a float32
+ * (W8A8Fuse), with the arguments the per-op path gives it: the same bits. Two int8 products
+ * of the feed-forward run as one call (linear_w8a8_ffn: row blocks through both, the same
+ * bits as the two calls). Around a float32
  * product they run here (norm_rows, gelu_rows, gate_rows), each row on its own as torch's
  * ops (the same functions; rounding may differ in the last bits). The gated residual writes
  * the product where its output goes, then adds the residual read from res: it cannot run in
@@ -39,6 +41,16 @@ typedef struct {                      /* linear_w8a8.c's W8A8Fuse */
 typedef void (*w8a8_fn)(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
                         const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
                         int64_t m, int64_t n, int64_t k, int32_t amx, const W8A8Fuse *fuse);
+typedef struct {                      /* linear_w8a8.c's W8A8Matrix */
+    const int8_t *panels;
+    const float *sw;
+    const int32_t *comp;
+    const float *bias;
+    int64_t n, k;
+} W8A8Matrix;
+typedef void (*ffn_fn)(const float *x, int64_t ldx, const W8A8Matrix *up, const W8A8Matrix *down,
+                       float *y, int64_t ldy, int64_t m, int32_t amx, const W8A8Fuse *up_fuse,
+                       const W8A8Fuse *down_fuse);
 typedef int (*window_fn)(const float *qkv, float *out, const int64_t *lengths, const float *rope,
                          int64_t batch, int64_t frames, int64_t heads, int64_t back, int64_t ahead,
                          float scale);
@@ -72,6 +84,7 @@ typedef struct {
     int32_t amx;                      /* linear_w8a8's amx argument */
     const DiTLayer *layers;
     w8a8_fn w8a8;                     /* NULL where no product is int8 */
+    ffn_fn w8a8_ffn;                  /* linear_w8a8_ffn (with w8a8) */
     window_fn attend;
 } DiTStack;
 
@@ -172,8 +185,18 @@ int dit_stack_f32(const DiTStack *s, const Mod *mods, float *h, int64_t batch, i
         if (rc != 0)
             return rc;
         run_product(s, &L->out, o, other, rows, 0, NULL, NULL, h, a->gate, normed);     /* h2 */
-        run_product(s, &L->up, other, wide, rows, 1, f->norm_w, f->norm_b, NULL, NULL, normed);
-        run_product(s, &L->down, wide, h, rows, 0, NULL, NULL, other, f->gate, normed);
+        if (L->up.int8 && L->down.int8 && s->w8a8_ffn != NULL) {    /* both in one call */
+            const W8A8Matrix up = {L->up.w8.panels, L->up.w8.sw, L->up.w8.comp, L->up.w8.bias, L->up.lin.n,
+                                   L->up.lin.k};
+            const W8A8Matrix down = {L->down.w8.panels, L->down.w8.sw, L->down.w8.comp, L->down.w8.bias,
+                                     L->down.lin.n, L->down.lin.k};
+            const W8A8Fuse before = {f->norm_w, f->norm_b, s->eps, NULL, 0, NULL};
+            const W8A8Fuse after = {NULL, NULL, s->eps, other, d, f->gate};
+            s->w8a8_ffn(other, d, &up, &down, h, d, rows, s->amx, &before, &after);
+        } else {
+            run_product(s, &L->up, other, wide, rows, 1, f->norm_w, f->norm_b, NULL, NULL, normed);
+            run_product(s, &L->down, wide, h, rows, 0, NULL, NULL, other, f->gate, normed);
+        }
     }
     return 0;
 }

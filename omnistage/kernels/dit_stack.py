@@ -41,7 +41,7 @@ class _Mod(ctypes.Structure):
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("head_dim", _i64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("amx", ctypes.c_int32),
-                ("layers", ctypes.POINTER(_Layer)), ("w8a8", _p), ("attend", _p)]
+                ("layers", ctypes.POINTER(_Layer)), ("w8a8", _p), ("w8a8_ffn", _p), ("attend", _p)]
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,8 @@ class NativeDiTStack:
         self._array = (_Layer * len(layers))(*(_layer(x, linear) for x in layers))
         self._stack = _Stack(len(layers), hidden, heads, head_dim, eps, head_dim ** -0.5,
                              int(w8a8 is not None and w8a8.amx), self._array,
-                             None if w8a8 is None else w8a8.address, attention.address(torch.float32))
+                             None if w8a8 is None else w8a8.address,
+                             None if w8a8 is None else w8a8.feed_forward_address, attention.address(torch.float32))
         work = lib.dit_stack_work
         work.argtypes = [ctypes.POINTER(_Stack), _i64]
         work.restype = _i64

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.build import build_library, narrow_vectors, without_vnni
+from omnistage.kernels.linear import pointer
 from omnistage.kernels.weight_pack import PANEL, WeightFormat, pack
 
 SOURCE = Path(__file__).with_name("linear_w8a8.c")
@@ -42,6 +43,12 @@ class _Fuse(ctypes.Structure):
     """linear_w8a8.c's W8A8Fuse."""
     _fields_ = [("norm_w", ctypes.c_void_p), ("norm_b", ctypes.c_void_p), ("eps", ctypes.c_float),
                 ("res", ctypes.c_void_p), ("ldr", ctypes.c_int64), ("gate", ctypes.c_void_p)]
+
+
+class _Matrix(ctypes.Structure):
+    """linear_w8a8.c's W8A8Matrix."""
+    _fields_ = [("panels", ctypes.c_void_p), ("sw", ctypes.c_void_p), ("comp", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,10 @@ class W8A8Kernel:
         self._fn.argtypes = [p, i64, p, p, p, p, ctypes.c_int32, p, i64, i64, i64, i64, ctypes.c_int32,
                              ctypes.POINTER(_Fuse)]
         self._fn.restype = None
+        self._ffn = lib.linear_w8a8_ffn
+        self._ffn.argtypes = [p, i64, ctypes.POINTER(_Matrix), ctypes.POINTER(_Matrix), p, i64, i64,
+                              ctypes.c_int32, ctypes.POINTER(_Fuse), ctypes.POINTER(_Fuse)]
+        self._ffn.restype = None
         lib.linear_w8a8_vnni.restype = lib.linear_w8a8_amx.restype = ctypes.c_int
         self.vnni = bool(lib.linear_w8a8_vnni())
         self.amx = amx and bool(lib.linear_w8a8_amx())    # asks the OS for the tiles once
@@ -93,6 +104,38 @@ class W8A8Kernel:
     def address(self) -> int:
         """linear_w8a8's address, for calls from C (dit_stack.c)."""
         return ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    @property
+    def feed_forward_address(self) -> int:
+        """linear_w8a8_ffn's address, for calls from C (dit_stack.c)."""
+        return ctypes.cast(self._ffn, ctypes.c_void_p).value
+
+    def feed_forward(self, x: torch.Tensor, up: W8A8Weight, up_bias: torch.Tensor | None, down: W8A8Weight,
+                     down_bias: torch.Tensor | None, norm: RowNorm | None = None,
+                     residual: GatedResidual | None = None) -> torch.Tensor:
+        """self(self(x, up, up_bias, "gelu_tanh", norm), down, down_bias, residual=residual) in one
+        call, row block by row block (linear_w8a8_ffn): the same bits. x (..., in) float32."""
+        if up.out_features != down.in_features or x.shape[-1] != up.in_features:
+            raise ValueError(f"w8a8 feed-forward: x {tuple(x.shape)}, up ({up.out_features}, {up.in_features}), "
+                             f"down ({down.out_features}, {down.in_features})")
+        for w, b in ((up, up_bias), (down, down_bias)):
+            if b is not None and b.shape != (w.out_features,):
+                raise ValueError(f"w8a8 feed-forward: a bias {tuple(b.shape)} for {w.out_features} outputs")
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1 or flat.dtype != torch.float32:
+            flat = flat.float().contiguous()
+        m = flat.shape[0]
+        y = torch.empty(m, down.out_features, dtype=torch.float32)
+        up_fuse, keep_up = self._fuse(norm, None, m, up)
+        down_fuse, keep_down = self._fuse(None, residual, m, down)
+        biases = [None if b is None else b.float().contiguous() for b in (up_bias, down_bias)]
+        mats = [_Matrix(w.panels.data_ptr(), w.scales.data_ptr(), w.comp.data_ptr(), pointer(b),
+                        w.out_features, w.in_features) for w, b in ((up, biases[0]), (down, biases[1]))]
+        if m:
+            self._ffn(flat.data_ptr(), flat.stride(0), ctypes.byref(mats[0]), ctypes.byref(mats[1]), y.data_ptr(),
+                      down.out_features, m, int(self.amx), up_fuse, down_fuse)
+        del keep_up, keep_down, biases
+        return y.view(*x.shape[:-1], down.out_features)
 
     def __call__(self, x: torch.Tensor, w: W8A8Weight, bias: torch.Tensor | None,
                  activation: str = "none", norm: RowNorm | None = None,
