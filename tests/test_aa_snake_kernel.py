@@ -96,6 +96,33 @@ def test_module_takes_the_kernel_and_others_keep_torch(kernel):
     assert kernel(torch.zeros(0, 5, 3), m.fir.float(), torch.ones(3), torch.ones(3)).shape == (0, 5, 3)
 
 
+def test_kernel_follows_parameters_changed_after_use(kernel):
+    """The kernel's (freq, inv_mag) are kept between calls (SnakeBeta.parameters_for_kernel):
+    a load that changes alpha or beta in place, or replaces them, is seen by the next call."""
+    torch.manual_seed(1)
+    m = AntiAliasedSnake(4, torch.device("cpu"))
+    use_native_activations(torch.nn.Sequential(m))
+    x = torch.randn(1, 64, 4)
+    before = m(x)
+    with torch.no_grad():
+        m.act.alpha.copy_(torch.randn(4))                  # in place, as load_weights does
+    after = m(x)
+    assert not torch.equal(after, before)
+    m.kernel = None
+    torch.testing.assert_close(after, m(x), atol=2e-6, rtol=1e-6)   # the torch path's values
+    for change in ("replaced", "data"):
+        m.kernel = kernel
+        if change == "replaced":
+            m.act.beta = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+        else:                                              # as module.to() converts
+            m.act.beta.data = torch.randn(4)
+        got = m(x)
+        m.kernel = None
+        torch.testing.assert_close(got, m(x), atol=2e-6, rtol=1e-6)
+    m.kernel = kernel
+    assert m.act.parameters_for_kernel()[0] is m.act.parameters_for_kernel()[0]   # kept while unchanged
+
+
 def test_bad_shapes_raise_instead_of_reading_out_of_bounds(kernel):
     x = torch.randn(1, 10, 4)
     fir = torch.ones(12) / 12
