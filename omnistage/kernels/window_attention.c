@@ -124,9 +124,10 @@ static inline void read_head(const Problem *p, const io_t *x, int64_t b, int64_t
     }
 }
 
-/* Lanes [0, 16) of row a with those of row c: the rows' lanes whose bit `b` is set trade places
- * with the other row's lanes whose bit is clear. Applied for b = 8, 4, 2, 1 over 16 rows, it
- * transposes them (each step swaps the off-diagonal b x b blocks of every 2b x 2b block). */
+/* One step b (8, 4, 2 or 1; the indices LOb, HIb) of a 16 x 16 transpose, on rows a and c = a
+ * + b: a's lanes whose bit b is set trade places with c's lanes whose bit b is clear. The four
+ * steps over 16 rows transpose them (each swaps the off-diagonal b x b blocks of every 2b x 2b
+ * block). */
 #define SWAP_BLOCKS(a, c, I0, I1)                                                         \
     do {                                                                                      \
         const vf a_ = (a), c_ = (c);                                                          \
@@ -280,16 +281,13 @@ static void attend_block(Scratch *w, const Problem *p, int64_t b, int64_t j, int
         /* All four outputs at once (4 x CHUNKS accumulators of the 32 registers): each key's V
          * row and its four weights loaded once. */
         vf o[4][CHUNKS] = {};
-        const float *e0 = S(w, r0);
-        const io_t *const *vrows = w->v;
-        const int64_t span = w->span;
         for (int64_t kk = 0; kk < keys; kk++) {
-            const io_t *v = vrows[kk];
+            const io_t *v = w->v[kk];
             if (v == NULL) continue;                        /* a zero value row */
             vf vr[CHUNKS];
             for (int c = 0; c < CHUNKS; c++) vr[c] = load_io(v + c * LANES);
             for (int g = 0; g < 4; g++) {
-                const float e = e0[g * span + kk];
+                const float e = S(w, r0 + g)[kk];
                 for (int c = 0; c < CHUNKS; c++) o[g][c] += e * vr[c];
             }
         }
