@@ -28,29 +28,9 @@
 #include <string.h>
 
 #include "linear_call.h"
+#include "linear_w8a8.h"
 #include "vec16.h"
 
-typedef struct {                      /* linear_w8a8.c's W8A8Fuse */
-    const float *norm_w, *norm_b;
-    float eps;
-    const float *res;
-    int64_t ldr;
-    const float *gate;
-} W8A8Fuse;
-
-typedef void (*w8a8_fn)(const float *x, int64_t ldx, const int8_t *panels, const float *sw,
-                        const int32_t *comp, const float *bias, int32_t act, float *y, int64_t ldy,
-                        int64_t m, int64_t n, int64_t k, int32_t amx, const W8A8Fuse *fuse);
-typedef struct {                      /* linear_w8a8.c's W8A8Matrix */
-    const int8_t *panels;
-    const float *sw;
-    const int32_t *comp;
-    const float *bias;
-    int64_t n, k;
-} W8A8Matrix;
-typedef void (*ffn_fn)(const float *x, int64_t ldx, const W8A8Matrix *up, const W8A8Matrix *down,
-                       float *y, int64_t ldy, int64_t m, int32_t amx, const W8A8Fuse *up_fuse,
-                       const W8A8Fuse *down_fuse);
 typedef int (*window_fn)(const float *qkv, float *out, const int64_t *lengths, const float *rope,
                          int64_t batch, int64_t frames, int64_t heads, int64_t back, int64_t ahead,
                          float scale);
@@ -84,7 +64,7 @@ typedef struct {
     int32_t amx;                      /* linear_w8a8's amx argument */
     const DiTLayer *layers;
     w8a8_fn w8a8;                     /* NULL where no product is int8 */
-    ffn_fn w8a8_ffn;                  /* linear_w8a8_ffn (with w8a8) */
+    w8a8_ffn_fn w8a8_ffn;             /* linear_w8a8_ffn (with w8a8) */
     window_fn attend;
 } DiTStack;
 

@@ -52,6 +52,8 @@
 #include <immintrin.h>
 #endif
 
+#include "linear_w8a8.h"      /* W8A8Fuse, W8A8Matrix */
+
 #define PANEL 64
 #define MR 6             /* rows of a register tile: 6 x 4 accumulators + 4 weight vectors */
 #define ROW_BLOCK 48     /* rows of a work item (a multiple of MR) */
@@ -70,15 +72,6 @@
 #define W8A8_AVX_VNNI 1     /* vpdpbusd on 256-bit vectors (Intel cores without AVX-512 since Alder Lake) */
 #endif
 
-/* What linear_w8a8 fuses around the product (NULL: nothing). */
-typedef struct {
-    const float *norm_w, *norm_b;   /* (k,) each: x's rows LayerNorm'ed (eps) then * norm_w +
-                                     * norm_b before quantizing; norm_w NULL: no norm */
-    float eps;
-    const float *res;               /* (m, n) at row stride ldr: y = res + gate * y; NULL: none */
-    int64_t ldr;
-    const float *gate;              /* (n,) */
-} W8A8Fuse;
 
 typedef float v16f __attribute__((vector_size(16 * sizeof(float))));
 
@@ -375,6 +368,17 @@ static void rows_of_panel(const uint8_t *u, int64_t kp, const float *sx, const i
     }
 }
 
+/* One input row src (k) into u (kp bytes) and its scale *sx, LayerNorm'ed first (fuse's norm,
+ * through `row`, k floats) where row is not NULL. */
+static void quantize_input(const float *src, int64_t k, int64_t kp, const W8A8Fuse *fuse, float *row,
+                           uint8_t *u, float *sx) {
+    if (row != NULL) {
+        norm_row(src, k, fuse->norm_w, fuse->norm_b, fuse->eps, row);
+        src = row;
+    }
+    quantize_row(src, k, kp, u, sx);
+}
+
 /* y (m, n; row stride ldy) all NaN: what a call whose scratch could not be had returns. */
 static void fill_nan(float *y, int64_t ldy, int64_t m, int64_t n) {
     for (int64_t r = 0; r < m; r++)
@@ -415,12 +419,7 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
         /* Without its row a thread quantizes rows un-normed: y is all NaN then anyway. */
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < (have ? m : 0); r++) {
-            const float *src = x + r * ldx;
-            if (row != NULL) {
-                norm_row(src, k, fuse->norm_w, fuse->norm_b, fuse->eps, row);
-                src = row;
-            }
-            quantize_row(src, k, kp, u + r * kp, sx + r);
+            quantize_input(x + r * ldx, k, kp, fuse, row, u + r * kp, sx + r);
         }                                 /* the loop's barrier: every row quantized */
         free(row);
         if (ok) {
@@ -444,15 +443,6 @@ void linear_w8a8(const float *x, int64_t ldx, const int8_t *panels, const float 
     free(u);
     free(sx);
 }
-
-/* A weight as linear_w8a8 takes it (see the top), with its bias (n,) or NULL. */
-typedef struct {
-    const int8_t *panels;
-    const float *sw;
-    const int32_t *comp;
-    const float *bias;
-    int64_t n, k;                   /* outputs, inputs */
-} W8A8Matrix;
 
 /* One thread's scratch for linear_w8a8_ffn: a row block's quantized inputs of both products,
  * their scales, a normed row, and the up product's output. NULL members: not allocated. */
@@ -537,14 +527,8 @@ void linear_w8a8_ffn(const float *x, int64_t ldx, const W8A8Matrix *up, const W8
             okay = ok;
             if (!okay) continue;
             const int64_t r0 = b * row_block, rows = m - r0 < row_block ? m - r0 : row_block;
-            for (int64_t i = 0; i < rows; i++) {
-                const float *src = x + (r0 + i) * ldx;
-                if (norm) {
-                    norm_row(src, up->k, up_fuse->norm_w, up_fuse->norm_b, up_fuse->eps, t.row);
-                    src = t.row;
-                }
-                quantize_row(src, up->k, kp1, t.u1 + i * kp1, t.sx1 + i);
-            }
+            for (int64_t i = 0; i < rows; i++)
+                quantize_input(x + (r0 + i) * ldx, up->k, kp1, up_fuse, t.row, t.u1 + i * kp1, t.sx1 + i);
             memset(t.u1 + rows * kp1, 128, (size_t)((row_block - rows) * kp1));   /* qx = 0 */
             block_product(t.u1, kp1, t.sx1, rows, up, 1, NULL, t.wide, up->n, amx);
             for (int64_t i = 0; i < rows; i++)
@@ -565,6 +549,10 @@ void linear_w8a8_ffn(const float *x, int64_t ldx, const W8A8Matrix *up, const W8
     }
     if (!ok) fill_nan(y, ldy, m, down->n);
 }
+
+/* The entries have the signatures their callers by pointer declare (linear_w8a8.h). */
+_Static_assert(__builtin_types_compatible_p(__typeof__(&linear_w8a8), w8a8_fn), "linear_w8a8 signature");
+_Static_assert(__builtin_types_compatible_p(__typeof__(&linear_w8a8_ffn), w8a8_ffn_fn), "linear_w8a8_ffn signature");
 
 /* 1 where this build multiplies with VNNI (AVX-512 or AVX-VNNI: the fast paths), 0 on the
  * plain C path. */

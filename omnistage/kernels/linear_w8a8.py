@@ -121,9 +121,7 @@ class W8A8Kernel:
         for w, b in ((up, up_bias), (down, down_bias)):
             if b is not None and b.shape != (w.out_features,):
                 raise ValueError(f"w8a8 feed-forward: a bias {tuple(b.shape)} for {w.out_features} outputs")
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.stride(-1) != 1 or flat.dtype != torch.float32:
-            flat = flat.float().contiguous()
+        flat = _rows(x)
         m = flat.shape[0]
         y = torch.empty(m, down.out_features, dtype=torch.float32)
         up_fuse, keep_up = self._fuse(norm, None, m, up)
@@ -148,9 +146,7 @@ class W8A8Kernel:
         if x.shape[-1] != w.in_features or (bias is not None and bias.shape != (w.out_features,)):
             raise ValueError(f"w8a8 linear: x {tuple(x.shape)}, weight ({w.out_features}, "
                              f"{w.in_features}), bias {None if bias is None else tuple(bias.shape)}")
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.stride(-1) != 1 or flat.dtype != torch.float32:
-            flat = flat.float().contiguous()
+        flat = _rows(x)
         b = None if bias is None else bias.float().contiguous()
         m = flat.shape[0]
         y = torch.empty(m, w.out_features, dtype=torch.float32)
@@ -192,3 +188,11 @@ class W8A8Kernel:
             fuse.res, fuse.ldr = res.data_ptr(), res.stride(0)
             fuse.gate = vector(residual.gate, w.out_features, "gate")
         return fuse, keep
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) as the kernel reads it: (rows, in), float32, unit stride along in."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1 or flat.dtype != torch.float32:
+        flat = flat.float().contiguous()
+    return flat
