@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from omnistage.kernels.snake import SnakeKernel
-from omnistage.layers.native_kernel import attach_kernel
+from omnistage.layers.native_kernel import ParameterState, attach_kernel
 
 
 class SnakeBeta(nn.Module):
@@ -17,26 +17,20 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels), requires_grad=False)    # log frequency
         self.beta = nn.Parameter(torch.zeros(channels), requires_grad=False)     # log magnitude
         self.kernel: SnakeKernel | None = None       # set by use_native_snake
-        # parameters_for_kernel's (freq, inv_mag) and what they came from: per parameter, the
-        # object, its data then (kept: its storage is not freed) and its version then
-        self._for_kernel: tuple[tuple[tuple[torch.Tensor, torch.Tensor, int], ...],
-                                tuple[torch.Tensor, torch.Tensor]] | None = None
+        # parameters_for_kernel's (freq, inv_mag) and the parameters they came from
+        self._for_kernel: tuple[ParameterState, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def parameters_for_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(freq, inv_mag), (C,) float32 contiguous: exp(alpha) and 1 / (exp(beta) + 1e-9).
-        Computed again only after alpha or beta changed: modified in place (a load: the
-        tensor's version), replaced (another object) or given other data (`.data =`, as
-        `module.to` does: another storage; the kept one cannot be freed, so its address is
-        not reused). A BigVGAN forward asks 108 times, and the eight small torch ops each time
-        were ~2 ms of a 45 ms first chunk."""
+        """(freq, inv_mag), (C,) float32 contiguous: exp(alpha) and 1 / (exp(beta) + 1e-9),
+        computed again only after alpha or beta changed (ParameterState). A BigVGAN forward
+        asks 108 times, and the eight small torch ops each time were ~2 ms of a 45 ms first
+        chunk."""
         params = (self.alpha, self.beta)
-        kept = self._for_kernel
-        if kept is None or any(p is not k or p.data_ptr() != d.data_ptr() or p._version != v
-                               for p, (k, d, v) in zip(params, kept[0])):
+        if self._for_kernel is None or not self._for_kernel[0].matches(params):
             freq = self.alpha.detach().float().exp().contiguous()
             inv_mag = (1.0 / (self.beta.detach().float().exp() + 1e-9)).contiguous()
-            kept = self._for_kernel = (tuple((p, p.data, p._version) for p in params), (freq, inv_mag))
-        return kept[1]
+            self._for_kernel = (ParameterState.of(params), (freq, inv_mag))
+        return self._for_kernel[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, L) -> (B, C, L)."""

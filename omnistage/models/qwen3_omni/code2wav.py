@@ -43,7 +43,7 @@ from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
 from omnistage.layers import time_major
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
-from omnistage.layers.native_kernel import attach_kernel
+from omnistage.layers.native_kernel import ParameterState, attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.weights import load_prefixed, require_complete
 
@@ -229,7 +229,7 @@ class ResidualUnit(nn.Module):
         self.act2 = TimeMajorSnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
         self.kernel: Code2WavUnitKernel | None = None      # set by use_native_units
-        self._packed: tuple[tuple[int, ...], UnitWeights] | None = None
+        self._packed: tuple[ParameterState, UnitWeights] | None = None
 
     scale = 1
 
@@ -243,10 +243,9 @@ class ResidualUnit(nn.Module):
 
     def packed(self) -> UnitWeights:
         """The parameters in the native kernel's layout, packed again after any of them
-        changed (a load after use_native_units: each parameter's version and storage)."""
+        changed (a load after use_native_units: ParameterState)."""
         params = list(self.parameters())
-        key = tuple(p._version for p in params) + tuple(p.data_ptr() for p in params)
-        if self._packed is None or self._packed[0] != key:
+        if self._packed is None or not self._packed[0].matches(params):
             c1, c2 = self.conv1.conv, self.conv2.conv
             w = UnitWeights(
                 conv1=c1.weight.detach().float().permute(2, 1, 0).contiguous(), dilation=c1.dilation[0],
@@ -254,7 +253,7 @@ class ResidualUnit(nn.Module):
                 conv2=c2.weight.detach().float()[:, :, 0].t().contiguous(),
                 bias2=None if c2.bias is None else c2.bias.detach().float().contiguous(),
                 snake1=self.act1.parameters_for_kernel(), snake2=self.act2.parameters_for_kernel())
-            self._packed = (key, w)
+            self._packed = (ParameterState.of(params), w)
         return self._packed[1]
 
 
