@@ -187,3 +187,16 @@ int decoder_stack_f32(const Stack *s, const Step *st, float *h, float *work) {
         rmsnorm(h, s->final_norm, h, rows, hid, eps);    /* in place: a row is read, then written */
     return 0;
 }
+
+/* ---- the norms alone, for models whose layers run op by op (kernels/norms.py) ------------- */
+
+/* y = rmsnorm(x) * w over `rows` rows of n (x and y contiguous; y may be x). */
+void rmsnorm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, double eps) {
+    rmsnorm(x, w, y, rows, n, (float)eps);
+}
+
+/* Qwen3's per-head q and k norms of `rows` qkv rows (width ld), in place (head_norms above). */
+void head_norms_f32(float *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                    const float *qw, const float *kw, double eps) {
+    head_norms(qkv, ld, rows, heads, kv_heads, d, qw, kw, (float)eps);
+}

@@ -13,8 +13,11 @@ from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.argmax import ArgmaxKernel
 from omnistage.kernels.build import NativeBuildError, pick_native
+from omnistage.kernels.norms import NormKernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.layers.linear import native_kernel_for, pack_linears, weight_format
+from omnistage.layers.native_kernel import attach_kernel
+from omnistage.layers.norm import RMSNorm
 from omnistage.layers.onednn import onednn_linear_available
 from omnistage.llm.model_runner import ModelRunner
 from omnistage.llm.sampler import RowArgmax, torch_argmax
@@ -55,6 +58,8 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
         # Native linears and attention: the layer loop can run in C as well (one call a step).
         if model.use_native_stack(attention, runner.caches):
             log.info("decoder layers as one native call per step")
+        # Layers still run op by op (MoE models) take the norms natively (kernels/norms.py).
+        attach_kernel(model, RMSNorm, NormKernel, "RMSNorm layers")
     runner.keep_prompt_rows = config.enable_prefix_caching
     return RunnerSetup(runner, kv, linear, "torch" if attention is None else "native")
 

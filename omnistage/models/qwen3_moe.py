@@ -114,8 +114,11 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
         t, q_end, k_end = qkv.shape[0], self.hq * self.d, (self.hq + self.hkv) * self.d
         # Per-head norms, written back into the fused row (attend_projections ropes q|k in place).
-        qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].view(t, self.hq, self.d)).view(t, q_end)
-        qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end].view(t, self.hkv, self.d)).view(t, k_end - q_end)
+        kernel = self.q_norm.kernel
+        if kernel is None or not kernel.head_norms(qkv, self.hq, self.hkv, self.q_norm.weight,
+                                                   self.k_norm.weight, self.q_norm.eps):
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].view(t, self.hq, self.d)).view(t, q_end)
+            qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end].view(t, self.hkv, self.d)).view(t, k_end - q_end)
         o = attend_projections(qkv, cos_sin, cache, meta, self.hq, self.scale)
         return self.o(o if out_rows is None else o[out_rows])
 
