@@ -114,9 +114,9 @@ class Qwen3Attention(nn.Module):
         qkv = self.qkv(x)                                   # (T, (Hq + 2 Hkv) D)
         t, q_end, k_end = qkv.shape[0], self.hq * self.d, (self.hq + self.hkv) * self.d
         # Per-head norms, written back into the fused row (attend_projections ropes q|k in place).
-        kernel = self.q_norm.kernel
-        if kernel is None or not kernel.head_norms(qkv, self.hq, self.hkv, self.q_norm.weight,
-                                                   self.k_norm.weight, self.q_norm.eps):
+        kernel = self.q_norm.kernel      # native: both heads' norms in place, one eps for both
+        if kernel is None or self.k_norm.eps != self.q_norm.eps or not kernel.head_norms(
+                qkv, self.hq, self.hkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps):
             qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].view(t, self.hq, self.d)).view(t, q_end)
             qkv[:, q_end:k_end] = self.k_norm(qkv[:, q_end:k_end].view(t, self.hkv, self.d)).view(t, k_end - q_end)
         o = attend_projections(qkv, cos_sin, cache, meta, self.hq, self.scale)
