@@ -108,13 +108,7 @@ class Token2WavStream:
         self.align = math.lcm(c.block_size, c.repeats) // c.repeats    # codes per window-start step
         self.vctx = (model.vocoder.receptive_field() if self.cfg.vocoder_context is None
                      else self.cfg.vocoder_context)
-        if self.cfg.chunk(0) * self.repeats <= self.vctx:
-            param = "first_chunk_size" if self.cfg.first_chunk_size else "chunk_size"
-            raise InvalidRequestError(
-                f"{param} must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
-                f"{self.vctx} frames) for the first chunk to carry audio", param=param)
-        model.check_frames(self.repeats * (self.cfg.look_back + self.align + self.cfg.largest_chunk
-                                           + self.cfg.look_ahead))          # the longest window
+        self._check(self.cfg)
         self.speaker = speaker if speaker is not None else model.speaker_terms(cond, ref_mel)
         self.noise = NoiseSource(noise, c.mel_dim, c.block_size, model.device, model.dtype)
         self.codes = torch.empty(0, dtype=torch.long, device=model.device)
@@ -126,6 +120,29 @@ class Token2WavStream:
         # Set by the caller (the vocoder stage, while it is behind its listeners): later chunks
         # are the largest (next_chunk), fewer windows for the codes than the schedule's.
         self.catch_up = False
+
+    def rechunk(self, config: StreamConfig) -> None:
+        """Cut the utterance by `config` instead (before the first chunk only; a config of
+        other windows than the stream's, e.g. another look-back, is refused)."""
+        if config is self.cfg:
+            return
+        if self.num_chunks or (config.look_back, config.look_ahead, config.vocoder_context) != (
+                self.cfg.look_back, self.cfg.look_ahead, self.cfg.vocoder_context):
+            raise ValueError("a stream's chunking changes only in its first chunk's and later "
+                             "chunks' sizes, before its first chunk")
+        self._check(config)
+        self.cfg = config
+
+    def _check(self, cfg: StreamConfig) -> None:
+        """The first chunk carries audio past the vocoder's context; the longest window fits
+        the DiT."""
+        if cfg.chunk(0) * self.repeats <= self.vctx:
+            param = "first_chunk_size" if cfg.first_chunk_size else "chunk_size"
+            raise InvalidRequestError(
+                f"{param} must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
+                f"{self.vctx} frames) for the first chunk to carry audio", param=param)
+        self.model.check_frames(self.repeats * (cfg.look_back + self.align + cfg.largest_chunk
+                                                + cfg.look_ahead))
 
     def push(self, codes) -> list[torch.Tensor]:
         """Add codes; returns the PCM chunks that became ready (possibly none)."""

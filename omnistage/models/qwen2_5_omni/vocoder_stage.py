@@ -9,13 +9,16 @@ Scheduling, for time to first audio (TTFA) under load. The router opens a reques
 as soon as the thinker starts it, so the stage knows who is still waiting for a first chunk.
 Each step does one of:
 - first chunks that are ready (up to `first_audio_frames` mel frames, at least one window,
-  oldest stream first): solved whole at once;
+  oldest stream first): solved whole at once, unless the stage keeps up (not `_behind`) and a
+  listener waiting for a later chunk has less than `hold_margin_s` of speech left: its chunk
+  then goes first (the newcomer's listener is not listening yet);
 - nothing but tail flushes, while some stream is still gathering its first chunk's codes (for
   at most `max_hold_s`, and not while a listener waiting for a later chunk has less than
   `hold_margin_s` of speech left to play): each graph step then costs one thinker and one
   talker step, so the newcomer's codes arrive at full speed;
-- later chunks: one batched solve over up to `frame_budget` frames (at least one window,
-  the listener closest to running dry first), advanced `intervals_per_step` RK4 intervals
+- later chunks: one batched solve over up to `frame_budget` frames, and no more than the
+  listener closest to running dry (always in it) can wait for at the measured pace (at least
+  one window), advanced `intervals_per_step` RK4 intervals
   per step, so no step is long: a first chunk that becomes ready meanwhile is solved before the solve goes on.
 Tails to flush (vocoder only) ride along with any step. Streams already playing lose a little
 lead; a new request's first audio no longer waits behind seconds of other requests' DiT work.
@@ -23,6 +26,7 @@ lead; a new request's first audio no longer waits behind seconds of other reques
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -52,8 +56,9 @@ class VocoderSettings:
     # on a CPU the first 0.12 s of speech then plays out ~0.3 s before the second chunk comes.
     # A multiple of the DiT block (12 codes) keeps the stream within its documented bounds.
     first_chunk: int | None = None
-    # Opt-in, for live listeners on a CPU: codes in the first chunk of a stream that opens while
-    # other streams are in the stage (None: first_chunk, as alone). Those listeners play it
+    # Opt-in, for live listeners on a CPU: codes in the first chunk of a stream whose first
+    # chunk is planned while other streams are in the stage and the stage keeps up with them
+    # (None: first_chunk, as alone; behind, see VocoderStage._behind). Those listeners play it
     # while the stage also serves the others' chunks: four Realtime sessions at once (small
     # checkpoint, 2 cores, Zen 5) had 1.0-6.8 s of playback gaps in all with 48 codes and
     # catch-up (0.6 s of first speech), 0.9-4.4 s with 72 here (1.08 s); a lone session's
@@ -135,7 +140,17 @@ class VocoderStage(Stage):
         self._hold = Hold(settings.max_hold_s, settings.hold_margin_s)   # later chunks (see _pick)
         self._solve: StreamSolve | None = None  # later chunks in flight
         self._solving: list[str] = []           # their request ids, in the solve's order
+        self._solve_began = (0.0, 0)            # its start (clock) and window frames
+        # Wall seconds per window frame of a later-chunk solve, start to finish (the steps of
+        # other stages between its intervals included): a running mean, None before the first.
+        self._frame_s: float | None = None
+        # Window frames per second of speech in the streams' largest chunks (the schedule
+        # streams settle into): with _frame_s, the stage's pace per stream (see _behind).
         self.sample_rate = 24000
+        dit, largest = model.config.dit_config, stream.largest_chunk
+        align = math.lcm(dit.block_size, dit.repeats) // dit.repeats
+        window = stream.look_back + align + largest + stream.look_ahead              # codes
+        self._frames_per_speech_s = window / (largest * model.vocoder.hop / self.sample_rate)
 
     def _open(self, rid: str, speaker: str, seed: int | None) -> Token2WavStream:
         if self.noise_for is not None:
@@ -145,8 +160,28 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        busy = self.busy_stream_config is not None and bool(self._streams)
-        return self._stream(speaker, noise, self.busy_stream_config if busy else self.stream_config)
+        return self._stream(speaker, noise, self._first_config(others=bool(self._streams),
+                                                                 behind=self._behind(self.clock())))
+
+    def _first_config(self, others: bool, behind: bool) -> StreamConfig:
+        """The chunking of a stream whose first chunk is still to come: first_chunk_busy's
+        while other streams are in the stage and it keeps up with them (the longer first chunk
+        is for a listener who must wait out the others' chunks; when the stage is behind, gaps
+        come anyway and the shorter first chunk brings first audio sooner), else the
+        stage's."""
+        busy = self.busy_stream_config is not None and others and not behind
+        return self.busy_stream_config if busy else self.stream_config
+
+    def _behind(self, now: float) -> bool:
+        """The stage cannot keep every listener fed: one has run dry, or at the measured
+        pace its streams need more than the wall clock (streams x wall seconds per second of
+        speech >= 1, a second of speech costing the window frames of the largest chunks: the
+        early, smaller chunks recompute more look-back per second of speech, and counting them
+        called four Realtime sessions on 2 cores behind, where they keep up)."""
+        if any(p.ran_dry(now) for p in self._playback.values()):
+            return True
+        pace = self._frame_s is not None and self._frame_s * self._frames_per_speech_s
+        return bool(pace) and len(self._streams) * pace >= 1.0
 
     def _stream(self, speaker: str, noise: torch.Tensor | torch.Generator,
                 config: StreamConfig) -> Token2WavStream:
@@ -199,18 +234,24 @@ class VocoderStage(Stage):
         that expired starts again after it)."""
         flush, first, later, gathering = [], [], [], False
         now = self.clock()
-        behind = self.settings.catch_up and any(p.ran_dry(now) for p in self._playback.values())
+        behind = self._behind(now)
+        dry = self.settings.catch_up and any(p.ran_dry(now) for p in self._playback.values())
         for rid, s in self._streams.items():          # insertion order: oldest stream first
             if rid in self._solving:
                 continue
-            s.catch_up = behind
+            s.catch_up = dry
+            if s.num_chunks == 0 and self.busy_stream_config is not None:
+                # decided as the first chunk is planned, not when the stream opened: a stream
+                # that opened alone and is joined by others before its first chunk plays that
+                # chunk while the stage serves them all
+                s.rechunk(self._first_config(others=len(self._streams) > 1, behind=behind))
             if s.ready():
                 (first if s.num_chunks == 0 else later).append(rid)
             elif s.has_work() or s.finishing:         # a tail to flush, or an empty end
                 flush.append(rid)
             elif s.num_chunks == 0:
                 gathering = True
-        if first:
+        if first and (behind or not self._about_to_run_dry([*later, *self._solving], now)):
             return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
         pending = self._solve is not None or bool(later)
         if self._hold.holds(gathering and pending, self._least_left([*later, *self._solving], now), now, stepping):
@@ -218,7 +259,18 @@ class VocoderStage(Stage):
         if self._solve is not None:
             return _Pick(flush, resume=True)
         later.sort(key=lambda rid: self._left_to_play(rid, now))   # closest to running dry first
-        return _Pick(flush, later=self._within(later, self.settings.frame_budget))
+        return _Pick(flush, later=self._within(later, self._later_budget(later[0] if later else None, now)))
+
+    def _later_budget(self, first: str | None, now: float) -> int:
+        """Window frames for the next later-chunk solve: frame_budget, or fewer where the
+        listener closest to running dry (`first`, always in the solve) would run dry waiting
+        for a solve that size at the measured pace: its chunk then goes in a smaller batch,
+        the others' in the next. Four Realtime sessions on 2 cores: a listener with 0.5 s
+        left waited 0.87 s for a solve of three streams' chunks."""
+        left = float("inf") if first is None else self._left_to_play(first, now)
+        if not self._frame_s or not 0.0 < left < float("inf"):     # no pace measured yet
+            return self.settings.frame_budget
+        return min(self.settings.frame_budget, int(left / self._frame_s))
 
     def _left_to_play(self, rid: str, now: float) -> float:
         p = self._playback.get(rid)
@@ -227,6 +279,21 @@ class VocoderStage(Stage):
     def _least_left(self, rids: list[str], now: float) -> float:
         """The least speech a listener of `rids` has left to play (inf: none)."""
         return min((self._left_to_play(rid, now) for rid in rids), default=float("inf"))
+
+    def _measure_pace(self) -> None:
+        """A later-chunk solve ended: its wall seconds per window frame into the running mean."""
+        began, frames = self._solve_began
+        self._frame_s = _mean(self._frame_s, (self.clock() - began) / max(frames, 1))
+
+    def _about_to_run_dry(self, rids: list[str], now: float) -> bool:
+        """Whether a listener of `rids` (waiting for a later chunk: in the solve, or ready)
+        has less than hold_margin_s of speech left: while the stage keeps up (not _behind),
+        its chunk then goes before newcomers' first chunks, whose listeners are not yet
+        listening. When the stage is behind (overload), newcomers go first: with eight Realtime
+        sessions on 2 cores, the later chunks of every listener near its end taking turns
+        before first chunks put first audio 1.4 -> 2.6 s (p50)."""
+        margin = self.settings.hold_margin_s
+        return any(self._left_to_play(rid, now) < margin for rid in rids)
 
     def _waiting_later(self) -> list[str]:
         """The streams waiting for a later chunk: in the solve, or ready for one."""
@@ -256,10 +323,13 @@ class VocoderStage(Stage):
                 pcm.update(zip(pick.first, step_streams([self._streams[r] for r in pick.first])))
             elif pick.later or pick.resume:
                 if pick.later:
-                    self._solve, self._solving = StreamSolve([self._streams[r] for r in pick.later]), pick.later
+                    streams = [self._streams[r] for r in pick.later]
+                    self._solve_began = (self.clock(), sum(s.window_frames() for s in streams))
+                    self._solve, self._solving = StreamSolve(streams), pick.later
                 if self._solve.advance(self.settings.intervals_per_step or None):
                     pcm.update(zip(self._solving, self._solve.finish()))
                     self._solve, self._solving = None, []
+                    self._measure_pace()
             # Streams that are not ready only flush their vocoder tail here.
             pcm.update(zip(pick.flush, step_streams([self._streams[r] for r in pick.flush])))
         out, now = [], self.clock()
@@ -314,3 +384,8 @@ class VocoderStage(Stage):
 
     def close(self) -> None:
         """Nothing outside this process to release."""
+
+
+def _mean(mean: float | None, value: float) -> float:
+    """A running mean that follows the stage's load: half the last value, half the past."""
+    return value if mean is None else 0.5 * (mean + value)

@@ -204,25 +204,106 @@ def test_starving_while_a_next_chunk_lacks_codes(model):
     assert not stage.starving()
 
 
-def test_a_stream_opening_beside_others_gets_the_busy_first_chunk(model):
-    """first_chunk_busy: a stream that opens while another is in the stage has a longer first
-    chunk (its listener plays it while the stage serves both); alone, the plain one. The
-    warm-up decodes both shapes."""
+def test_a_first_chunk_planned_beside_others_is_the_busy_one(model):
+    """first_chunk_busy: a stream whose first chunk is planned while another stream is in the
+    stage has the longer first chunk (its listener plays it while the stage serves both),
+    whenever it opened; alone, the plain one. The warm-up decodes both shapes."""
     stage = make_stage(model, first_chunk_busy=32)
     assert stage.warm_up()
     send(stage, "a", codes(10, 0))
-    send(stage, "b", codes(10, 1))
-    assert stage._streams["a"].next_chunk() == 16 and stage._streams["b"].next_chunk() == 32
-    send(stage, "a", codes(10, 2))                       # a: 16 + 4 of look-ahead
-    send(stage, "b", codes(10, 3))                       # b: 20 of its 36
-    assert served(stage.step()) == ["a"]
-    send(stage, "b", codes(16, 4))
+    stage.has_work()
+    assert stage._streams["a"].next_chunk() == 16        # alone
+    send(stage, "b", codes(10, 1))                       # b opens before a's first chunk
+    send(stage, "a", codes(10, 2))                       # a: 20 codes, the plain 16 + 4 ahead
+    assert not stage.has_work()                          # a now waits for 32 + 4
+    assert [stage._streams[r].next_chunk() for r in "ab"] == [32, 32]
+    send(stage, "a", codes(16, 3))
+    [out] = stage.step()
+    assert out.request_id == "a" and stage._streams["a"].next == 32
+    send(stage, "b", codes(26, 4))
     [out] = stage.step()
     assert out.request_id == "b" and stage._streams["b"].next == 32
+    alone_again = make_stage(model, first_chunk_busy=32)
+    send(alone_again, "a", codes(20, 0))
+    send(alone_again, "b", codes(10, 1))
+    assert not alone_again.has_work()                    # a: 20 of 36
+    alone_again.abort("b")                               # b gone before a's first chunk
+    assert served(alone_again.step()) == ["a"] and alone_again._streams["a"].next == 16
     plain = make_stage(model)
     send(plain, "a", codes(10, 0))
     send(plain, "b", codes(10, 1))
+    plain.has_work()
     assert plain._streams["b"].next_chunk() == 16
+
+
+def test_a_stream_is_rechunked_only_before_its_first_chunk(model):
+    stage = make_stage(model)
+    send(stage, "a", codes(20, 0))
+    s = stage._streams["a"]
+    s.rechunk(StreamConfig(16, 4, 8, first_chunk_size=20))
+    assert s.next_chunk() == 20
+    with pytest.raises(ValueError, match="look-back|first chunk"):
+        s.rechunk(StreamConfig(16, 4, 12))               # other windows
+    s.rechunk(StreamConfig(16, 4, 8))
+    stage.step()
+    with pytest.raises(ValueError, match="before its first chunk"):
+        s.rechunk(StreamConfig(16, 4, 8, first_chunk_size=20))
+
+
+@pytest.mark.parametrize("left, first", [(0.05, "a"), (0.2, "b"), (-0.01, "b")])
+def test_a_listener_about_to_run_dry_goes_before_a_newcomer(model, left, first):
+    """a's later chunk and b's first chunk are ready. While a still plays but has less than
+    hold_margin_s (0.1) left, a's chunk goes first; with more left, or once a listener has run
+    dry (the stage is behind: overload), the newcomer's first chunk goes first."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], hold_margin_s=0.1)
+    send(stage, "a", codes(60, 0))
+    [out] = stage.step()
+    sent = out.payload.samples.numel() / stage.sample_rate
+    send(stage, "b", codes(20, 1))
+    now[0] = sent - left
+    assert served(stage.step()) == [first]
+    assert served(stage.step()) == ["b" if first == "a" else "a"]
+
+
+def test_a_stage_behind_its_listeners_serves_newcomers_first_with_plain_first_chunks(model):
+    """At a measured pace of 0.6 wall seconds per second of speech (in the largest chunks'
+    windows), two streams need more than the wall clock: the stage is behind, so a newcomer's
+    first chunk goes before a near-dry listener's chunk, and first chunks keep the plain size
+    though others are in the stage."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], hold_margin_s=0.1, first_chunk_busy=32)
+    send(stage, "a", codes(60, 0))
+    [out] = stage.step()
+    now[0] = out.payload.samples.numel() / stage.sample_rate - 0.05   # a: 0.05 s left
+    stage._frame_s = 0.6 / stage._frames_per_speech_s
+    send(stage, "b", codes(20, 1))                       # the plain 16 + 4: ready
+    assert served(stage.step()) == ["b"] and stage._streams["b"].next == 16
+    stage._frame_s = 0.3 / stage._frames_per_speech_s    # three streams fit: not behind
+    send(stage, "c", codes(20, 2))
+    assert served(stage.step()) == ["a"]                 # a's chunk; c waits for 32 + 4
+    assert stage._streams["c"].next_chunk() == 32
+
+
+def test_a_later_solve_shrinks_to_what_a_near_dry_listener_can_wait_for(model):
+    """Later chunks of a and b are ready and frame_budget takes both windows; at the measured
+    pace a solve of both would outlast what a has left to play, so a's goes alone, b's next."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0])
+    for rid, seed in (("a", 0), ("b", 1)):
+        send(stage, rid, codes(60, seed))
+    assert sorted(served(stage.step())) == ["a", "b"]     # both first chunks
+    window = stage._streams["a"].window_frames()
+    now[0] = 0.001
+    left = stage._left_to_play("a", now[0])
+    assert 0 < left == stage._left_to_play("b", now[0])
+    slow = left / (1.5 * window)                          # a measured pace: one window fits, two not
+    stage._frame_s = slow
+    assert served(stage.step()) == ["a"]                  # a (first by order) alone
+    stage._frame_s = slow                                 # (the fake clock measured 0 s)
+    assert served(stage.step()) == ["b"]
+    stage._frame_s = left / (3 * window)                  # fast enough for both
+    assert sorted(served(stage.step())) == ["a", "b"]
 
 
 def test_later_chunks_go_to_the_listener_closest_to_running_dry(model):
