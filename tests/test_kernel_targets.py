@@ -37,6 +37,7 @@ SOURCES = {
     "snake.c": [()],
     "aa_snake.c": [()],
     "code2wav_unit.c": [()],
+    "conv1d_tm.c": [()],
     "window_attention.c": [("-DHEAD_DIM=64", "-DBLOCK=24"), ("-DHEAD_DIM=64", "-DBLOCK=24", "-DIO_BF16=1")],
     "argmax.c": [()],
 }

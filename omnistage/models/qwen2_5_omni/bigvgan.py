@@ -16,7 +16,10 @@ whole, 90 ms for the 48 new frames; of 288 + 72: 477 against 412 ms).
 Inside, every layer runs time-major (layers/time_major.py): activations (B, L, C), each
 convolution fed the channels-last view. The anti-aliased activations' depthwise resampling
 filters ran 3-9x slower in PyTorch's (B, C, L) layout (oneDNN reordered every input and output),
-and the vocoder's regular convolutions 10-20% slower.
+and the vocoder's regular convolutions 10-20% slower. The AMP blocks' convolutions run in a
+native kernel where it serves them (use_native_convolutions, kernels/conv1d_tm.c): oneDNN makes
+a primitive (JIT) for every new (batch, length), and a stream's windows, batches and tails keep
+making new ones; with steady shapes the two are even.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.aa_snake import AntiAliasedSnakeKernel
+from omnistage.kernels.conv1d_tm import PackedConv, TimeMajorConvKernel
 from omnistage.layers import time_major
-from omnistage.layers.native_kernel import attach_kernel
+from omnistage.layers.native_kernel import ParameterState, attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
 
 # The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
@@ -158,6 +162,8 @@ class AMPBlock(nn.Module):
     """Three residual units (snake -> dilated conv -> snake -> conv) at one resolution,
     time-major: (B, L, C) -> (B, L, C)."""
 
+    kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
+
     def __init__(self, channels: int, kernel: int, dilations: list[int], device: torch.device):
         super().__init__()
         self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, dilation=d,
@@ -166,18 +172,47 @@ class AMPBlock(nn.Module):
                                     for _ in dilations)
         self.activations = nn.ModuleList(AntiAliasedSnake(channels, device)
                                          for _ in range(2 * len(dilations)))
+        self._packed: tuple[ParameterState, list[PackedConv]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2)):
-            y = time_major.conv1d(conv1, self.activations[2 * i](x))
-            x = x + time_major.conv1d(conv2, self.activations[2 * i + 1](y))
+            y = self._conv(2 * i, conv1, self.activations[2 * i](x))
+            x = x + self._conv(2 * i + 1, conv2, self.activations[2 * i + 1](y))
         return x
+
+    def _conv(self, j: int, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        """Convolution j (convs1[i] is 2i, convs2[i] 2i + 1) over x, natively where it can."""
+        if self.kernel is not None:
+            packed = self.packed()[j]
+            if self.kernel.supports(x, packed):
+                return self.kernel(x, packed, conv.padding[0])
+        return time_major.conv1d(conv, x)
+
+    def packed(self) -> list[PackedConv]:
+        """The convolutions in the native kernel's layout (convs1[i] at 2i, convs2[i] at
+        2i + 1), packed again after any parameter changed (ParameterState)."""
+        convs = [c for pair in zip(self.convs1, self.convs2) for c in pair]
+        params = [p for c in convs for p in c.parameters()]
+        if self._packed is None or not self._packed[0].matches(params):
+            self._packed = (ParameterState.of(params), [PackedConv.of(c) for c in convs])
+        return self._packed[1]
 
     @property
     def reach(self) -> int:
         """Input steps on each side an output step reads: per unit, both activations and both
         convolutions (each convolution's padding, symmetric)."""
         return sum(2 * ACT_REACH + c1.padding[0] + c2.padding[0] for c1, c2 in zip(self.convs1, self.convs2))
+
+
+def use_native_convolutions(model: nn.Module) -> int:
+    """Run the convolutions of every AMPBlock of `model` in the native time-major kernel
+    (kernels/conv1d_tm.c) where it builds: float32 CPU activations and weights it serves well
+    (TimeMajorConvKernel.supports); others keep oneDNN. Four streams of 200-400 codes through
+    the small checkpoint's vocoder stage (2 cores, Intel Xeon; a new shape every tail, as in
+    serving): BigVGAN 1.46-1.73 -> 0.82-1.07 s a round, the stage 5.8-7.0 -> 7.2-8.2 audio-s
+    per wall-s; values within float rounding of oneDNN's (6.4e-7).
+    -> how many blocks took it (0: it did not build)."""
+    return attach_kernel(model, AMPBlock, TimeMajorConvKernel, "BigVGAN's AMP-block convolutions")
 
 
 class BigVGAN(nn.Module):

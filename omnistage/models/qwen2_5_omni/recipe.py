@@ -26,7 +26,7 @@ from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.audio_encoder import AudioEncoder
-from omnistage.models.qwen2_5_omni.bigvgan import use_native_activations
+from omnistage.models.qwen2_5_omni.bigvgan import use_native_activations, use_native_convolutions
 from omnistage.models.qwen2_5_omni.encoders import OmniEncoders
 from omnistage.models.qwen2_5_omni.loader import (bridge_constants, load_lm, load_speakers,
                                                   talker_tokens)
@@ -155,6 +155,7 @@ def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, mod
         # build, at least their SnakeBeta (the torch path then runs it)
         if not use_native_activations(t2w.vocoder):
             use_native_snake(t2w.vocoder)
+        use_native_convolutions(t2w.vocoder)
     stage = VocoderStage(name, t2w.eval(), load_speakers(model_dir), settings.vocoder)
     stage.warm_up()
     return stage

@@ -1,0 +1,139 @@
+/* A 1-D convolution (stride 1, dilation d, zero padding) over time-major activations:
+ *
+ *   y[b, t, o] = bias[o] + sum_k sum_i w[k][i][o] * x[b, t - pad + k d, i]    (x = 0 outside [0, L))
+ *
+ * Why: BigVGAN's convolutions on a CPU as torch ops (oneDNN on the channels-last view) spent
+ * about three quarters of their time outside the arithmetic at the small channel counts of a
+ * vocoder (Qwen2.5-Omni's small checkpoint: 96 down to 3 channels): a primitive descriptor
+ * made per call, the weights reordered per call, and a primitive JIT-compiled for every new
+ * (batch, length), which a stream's windows keep producing. Here the weights are packed once
+ * (Python side: [k][in][out], out padded to a multiple of 16 with zeros) and a call is one
+ * pass.
+ *
+ * A task takes TILE output steps of one batch row. Its input rows (the tile's steps and the
+ * (K - 1) d around them) are read in place where they lie inside [0, L), else copied with
+ * zero rows into scratch. Register tiles: AVX-512, 12 steps x 32 or 16 output channels in
+ * 16-lane vectors; otherwise 6 steps x 16. Each output element is the same products added
+ * in the same order (k, then i) wherever its step falls: a step's result depends only on
+ * what it reads (batch, tile and length invariant). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec16.h"
+
+#if defined(__AVX512F__) && !defined(OMNISTAGE_NO_AVX512)
+#define ROWS 12                      /* steps per register tile */
+#define MAXV 2                       /* 16-lane column vectors per register tile */
+#else
+#define ROWS 6
+#define MAXV 1
+#endif
+#define TILE (8 * ROWS)              /* output steps per task */
+
+/* ROWS output steps x V vectors of columns from cb: in row r at in + r * rs, tap k at
+ * + k * tap; w: (taps, cin, cp) as [k][i][o]. Stores the first `rows` steps (and only the
+ * columns below cout) at out + r * cout + cb, bias added. */
+static inline __attribute__((always_inline)) void tile(const float *in, int64_t rs, int64_t tap,
+                                                       int64_t taps, int64_t cin, const float *w,
+                                                       int64_t cp, const float *bias, float *out,
+                                                       int64_t cout, int64_t cb, int V, int64_t rows) {
+    vf acc[ROWS][MAXV];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < MAXV; v++)
+            acc[r][v] = (vf){};
+    for (int64_t k = 0; k < taps; k++) {
+        const float *x = in + k * tap;
+        const float *wk = w + k * cin * cp + cb;
+        for (int64_t i = 0; i < cin; i++) {
+            vf wv[MAXV];
+            for (int v = 0; v < V; v++)
+                wv[v] = load(wk + i * cp + v * LANES);
+            for (int r = 0; r < ROWS; r++) {
+                const float s = x[r * rs + i];       /* broadcast operand */
+                for (int v = 0; v < V; v++)
+                    acc[r][v] += s * wv[v];
+            }
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        const int64_t c0 = cb + v * LANES, n = cout - c0 < LANES ? cout - c0 : LANES;
+        if (n <= 0)
+            break;
+        const vf bv = bias != NULL ? load(bias + c0) : (vf){};
+        for (int64_t r = 0; r < rows && r < ROWS; r++) {
+            if (n == LANES) {
+                store(out + r * cout + c0, acc[r][v] + bv);
+            } else {
+                float part[LANES];
+                store(part, acc[r][v] + bv);
+                memcpy(out + r * cout + c0, part, (size_t)n * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The tile's steps [0, n) of output, from input rows at in (row stride rs; tap offset tap). */
+static void run_tile(const float *in, int64_t rs, int64_t tap, int64_t taps, int64_t cin,
+                     const float *w, int64_t cp, const float *bias, float *out, int64_t cout,
+                     int64_t n) {
+    for (int64_t r = 0; r < n; r += ROWS) {
+        const float *ir = in + r * rs;
+        float *orow = out + r * cout;
+        int64_t cb = 0;
+#if MAXV == 2
+        for (; cb + 2 * LANES <= cp; cb += 2 * LANES)
+            tile(ir, rs, tap, taps, cin, w, cp, bias, orow, cout, cb, 2, n - r);
+#endif
+        for (; cb < cp; cb += LANES)
+            tile(ir, rs, tap, taps, cin, w, cp, bias, orow, cout, cb, 1, n - r);
+    }
+}
+
+/* x: (B, L, cin), step (b, t) at x + b * stride_b + t * stride_t, channels unit stride.
+ * y: contiguous (B, out_len, cout), out_len = L + 2 pad - (taps - 1) dilation >= 1; not
+ * overlapping x. w: (taps, cin, cp), cp a multiple of 16 >= cout, columns >= cout zero;
+ * bias: (cp,) or NULL. Returns 0, or -1 when scratch could not be allocated. */
+int conv1d_time_major(const float *x, float *y, int64_t batch, int64_t length, int64_t cin,
+                      int64_t stride_b, int64_t stride_t, const float *w, const float *bias,
+                      int64_t cout, int64_t cp, int64_t taps, int64_t dilation, int64_t pad) {
+    const int64_t span = (taps - 1) * dilation, out_len = length + 2 * pad - span;
+    const int64_t per_row = (out_len + TILE - 1) / TILE, tasks = batch * per_row;
+    /* Input rows a tile reads, its computed steps rounded up to ROWS. */
+    const int64_t in_rows = (TILE + ROWS - 1) / ROWS * ROWS + span;
+    int failed = 0;
+    #pragma omp parallel reduction(|: failed) if (tasks > 1)
+    {
+        float *s = NULL;        /* zero-padded copy of a tile's input rows, made when needed */
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (failed)
+                continue;
+            const int64_t b = task / per_row, t0 = (task % per_row) * TILE;
+            const int64_t n = out_len - t0 < TILE ? out_len - t0 : TILE;
+            const int64_t computed = (n + ROWS - 1) / ROWS * ROWS;
+            const int64_t lo = t0 - pad, hi = lo + computed + span;      /* input steps read */
+            const float *xb = x + b * stride_b;
+            float *yt = y + (b * out_len + t0) * cout;
+            if (lo >= 0 && hi <= length) {
+                run_tile(xb + lo * stride_t, stride_t, dilation * stride_t, taps, cin, w, cp,
+                         bias, yt, cout, n);
+                continue;
+            }
+            if (s == NULL && (s = malloc((size_t)(in_rows * cin) * sizeof(float))) == NULL) {
+                failed = 1;
+                continue;
+            }
+            for (int64_t r = 0; r < hi - lo; r++) {
+                const int64_t t = lo + r;
+                if (t < 0 || t >= length)
+                    memset(s + r * cin, 0, (size_t)cin * sizeof(float));
+                else
+                    memcpy(s + r * cin, xb + t * stride_t, (size_t)cin * sizeof(float));
+            }
+            run_tile(s, cin, dilation * cin, taps, cin, w, cp, bias, yt, cout, n);
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,102 @@
+"""A stride-1 1-D convolution over time-major activations (B, L, C) as one native pass
+(conv1d_tm.c), its weights packed once: for vocoders' small channel counts, where oneDNN's
+per-call overheads outweigh the arithmetic."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from omnistage.kernels.build import build_library, narrow_vectors
+
+SOURCE = Path(__file__).with_name("conv1d_tm.c")
+COLUMN_MULTIPLE = 16           # the kernel's register tiles take 16 output channels at a time
+# Packed weights up to this size: past it oneDNN's blocked kernels are faster (a task streams
+# the weights for every 12 steps: at 384 channels x 11 taps, 6.3 MB, 1.9x oneDNN's time; at
+# 192 x 11, 1.6 MB, 1.1x; at 192 x 3 and below, 0.94-1.03x with oneDNN's primitive made).
+MAX_WEIGHT_BYTES = 512 * 1024
+
+
+@dataclass(frozen=True)
+class PackedConv:
+    """One convolution's parameters in the kernel's layout (float32, contiguous, CPU)."""
+
+    weight: torch.Tensor           # (K, Cin, Cp): [tap][in][out], out padded with zeros to Cp
+    bias: torch.Tensor | None      # (Cp,)
+    out_channels: int
+    dilation: int
+
+    @classmethod
+    def of(cls, conv: nn.Conv1d) -> "PackedConv":
+        """`conv` (stride 1, one group) packed; a ValueError for any other convolution."""
+        if conv.stride[0] != 1 or conv.groups != 1:
+            raise ValueError(f"the time-major convolution kernel takes stride 1, one group; got "
+                             f"stride {conv.stride[0]}, groups {conv.groups}")
+        cout, cin, k = conv.weight.shape
+        cp = -(-cout // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        w = torch.zeros(k, cin, cp, dtype=torch.float32)
+        w[:, :, :cout] = conv.weight.detach().float().permute(2, 1, 0).cpu()
+        bias = None
+        if conv.bias is not None:
+            bias = torch.zeros(cp, dtype=torch.float32)
+            bias[:cout] = conv.bias.detach().float().cpu()
+        return cls(w, bias, cout, conv.dilation[0])
+
+    @property
+    def in_channels(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def taps(self) -> int:
+        return self.weight.shape[0]
+
+
+class TimeMajorConvKernel:
+    """The compiled kernel (raises NativeBuildError where it does not build); shape-free, so
+    one serves every convolution of a model.
+
+    wide_vectors=False builds the AVX2-width path (6 steps x 16 channels) even on a CPU with
+    AVX-512 (12 steps x 32): the same sums in the same order, so the same bits."""
+
+    def __init__(self, wide_vectors: bool = True):
+        defines, flags = ({}, ()) if wide_vectors else narrow_vectors()
+        lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = lib.conv1d_time_major
+        self._fn.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(x: torch.Tensor, conv: PackedConv) -> bool:
+        """Whether the kernel takes `x` as it is (float32 (B, L, Cin) on the CPU with unit-stride
+        channels) and serves `conv` well (packed weights up to MAX_WEIGHT_BYTES)."""
+        return TimeMajorConvKernel._takes(x, conv) and conv.weight.numel() * 4 <= MAX_WEIGHT_BYTES
+
+    @staticmethod
+    def _takes(x: torch.Tensor, conv: PackedConv) -> bool:
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3
+                and x.shape[2] == conv.in_channels and x.stride(2) == 1)
+
+    def __call__(self, x: torch.Tensor, conv: PackedConv, padding: int) -> torch.Tensor:
+        """x (B, L, Cin) as `supports` takes it, `padding` zero steps at each end ->
+        y (B, L + 2 padding - (K - 1) dilation, Cout) contiguous."""
+        b, n, _ = x.shape
+        out_len = n + 2 * padding - (conv.taps - 1) * conv.dilation
+        # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
+        if not self._takes(x, conv) or padding < 0 or out_len < 1:
+            raise ValueError(f"time-major convolution kernel: x {tuple(x.shape)} {x.dtype} "
+                             f"(stride {x.stride()}), weight {tuple(conv.weight.shape)}, "
+                             f"dilation {conv.dilation}, padding {padding}")
+        y = torch.empty((b, out_len, conv.out_channels), dtype=torch.float32)
+        if not y.numel():
+            return y
+        bias = None if conv.bias is None else conv.bias.data_ptr()
+        if self._fn(x.data_ptr(), y.data_ptr(), b, n, conv.in_channels, x.stride(0), x.stride(1),
+                    conv.weight.data_ptr(), bias, conv.out_channels, conv.weight.shape[2],
+                    conv.taps, conv.dilation, padding) != 0:
+            raise MemoryError("time-major convolution kernel: no memory for its scratch")
+        return y
