@@ -13,8 +13,8 @@ Each step does one of:
   listener waiting for a later chunk has less than `hold_margin_s` of speech left: its chunk
   then goes first (the newcomer's listener is not listening yet);
 - nothing but tail flushes, while some stream is still gathering its first chunk's codes (for
-  at most `max_hold_s`, and not while a listener waiting for a later chunk has less than
-  `hold_margin_s` of speech left to play): each graph step then costs one thinker and one
+  at most `max_hold_s`, and, while the stage keeps up, not while a listener waiting for a
+  later chunk has less than `hold_margin_s` of speech left to play): each graph step then costs one thinker and one
   talker step, so the newcomer's codes arrive at full speed;
 - later chunks: one batched solve over up to `frame_budget` frames, and no more than the
   listener closest to running dry (always in it) can wait for at the measured pace (at least
@@ -141,6 +141,7 @@ class VocoderStage(Stage):
         self._solve: StreamSolve | None = None  # later chunks in flight
         self._solving: list[str] = []           # their request ids, in the solve's order
         self._solve_began = (0.0, 0)            # its start (clock) and window frames
+        self._solve_paused = 0.0                # seconds of first-chunk steps while it waited
         # Wall seconds per window frame of a later-chunk solve, start to finish (the steps of
         # other stages between its intervals included): a running mean, None before the first.
         self._frame_s: float | None = None
@@ -254,7 +255,8 @@ class VocoderStage(Stage):
         if first and (behind or not self._about_to_run_dry([*later, *self._solving], now)):
             return _Pick(flush, first=self._within(first, self.settings.first_audio_frames))
         pending = self._solve is not None or bool(later)
-        if self._hold.holds(gathering and pending, self._least_left([*later, *self._solving], now), now, stepping):
+        if self._hold.holds(gathering and pending, self._held_least_left([*later, *self._solving], behind, now),
+                            now, stepping):
             return _Pick(flush)
         if self._solve is not None:
             return _Pick(flush, resume=True)
@@ -280,10 +282,20 @@ class VocoderStage(Stage):
         """The least speech a listener of `rids` has left to play (inf: none)."""
         return min((self._left_to_play(rid, now) for rid in rids), default=float("inf"))
 
+    def _held_least_left(self, rids: list[str], behind: bool, now: float) -> float:
+        """What the hold weighs (`rids`: the held listeners): the least speech one has left,
+        or, while the stage is behind, nothing (inf): under overload the hold runs its course
+        for the newcomer's first audio, since the held listeners' gaps come anyway."""
+        return float("inf") if behind else self._least_left(rids, now)
+
     def _measure_pace(self) -> None:
-        """A later-chunk solve ended: its wall seconds per window frame into the running mean."""
+        """A later-chunk solve ended: its wall seconds per window frame into the running mean
+        (less the first chunks solved while it waited: four Realtime sessions on 2 cores, a
+        solve that two first chunks interrupted counted 3.2 ms a frame against ~1.5, and the
+        stage called itself behind)."""
         began, frames = self._solve_began
-        self._frame_s = _mean(self._frame_s, (self.clock() - began) / max(frames, 1))
+        spent = self.clock() - began - self._solve_paused
+        self._frame_s = _mean(self._frame_s, spent / max(frames, 1))
 
     def _about_to_run_dry(self, rids: list[str], now: float) -> bool:
         """Whether a listener of `rids` (waiting for a later chunk: in the solve, or ready)
@@ -320,11 +332,15 @@ class VocoderStage(Stage):
         pcm: dict[str, torch.Tensor | None] = {}
         with torch.inference_mode():
             if pick.first:
+                start = self.clock()
                 pcm.update(zip(pick.first, step_streams([self._streams[r] for r in pick.first])))
+                if self._solve is not None:      # not the later solve's pace (_measure_pace)
+                    self._solve_paused += self.clock() - start
             elif pick.later or pick.resume:
                 if pick.later:
                     streams = [self._streams[r] for r in pick.later]
                     self._solve_began = (self.clock(), sum(s.window_frames() for s in streams))
+                    self._solve_paused = 0.0
                     self._solve, self._solving = StreamSolve(streams), pick.later
                 if self._solve.advance(self.settings.intervals_per_step or None):
                     pcm.update(zip(self._solving, self._solve.finish()))
@@ -377,7 +393,7 @@ class VocoderStage(Stage):
         if self._hold.since is None:
             return None
         now = self.clock()
-        return self._hold.wake_after(self._least_left(self._waiting_later(), now), now)
+        return self._hold.wake_after(self._held_least_left(self._waiting_later(), self._behind(now), now), now)
 
     def num_requests(self) -> int:
         return len(self._streams)

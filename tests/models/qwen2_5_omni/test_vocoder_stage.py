@@ -106,6 +106,25 @@ def test_hold_ends_when_a_waiting_listener_would_run_dry(model):
     assert stage.has_work() and served(stage.step()) == ["a"]
 
 
+def test_a_stage_behind_holds_for_a_newcomer_whatever_the_held_have_left(model):
+    """Behind (at the measured pace two streams need more than the wall clock), the hold for
+    b's first codes runs its course (max_hold_s) though a has less than hold_margin_s left:
+    under overload a's gap comes anyway, and b's first audio should not wait on it."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], hold_margin_s=0.1, max_hold_s=1.0)
+    send(stage, "a", codes(60, 0))
+    [first] = [o for o in stage.step() if o.request_id == "a"]
+    sent = first.payload.samples.numel() / stage.sample_rate
+    assert 0.1 < sent < 0.9
+    stage._frame_s = 0.6 / stage._frames_per_speech_s   # 2 streams x 0.6 s per second of speech
+    send(stage, "b", codes(5, 1))                        # b gathers: a's later chunk is held
+    assert not stage.has_work()
+    now[0] = sent - 0.09                                 # 0.09 s left: held all the same
+    assert not stage.has_work() and stage.wake_after() == pytest.approx(1.0 - now[0])
+    now[0] = 1.0                                         # the hold ran its course
+    assert stage.has_work() and served(stage.step()) == ["a"]
+
+
 def test_solves_in_pieces_equal_whole_solves(model):
     whole, pieces = make_stage(model), make_stage(model, intervals_per_step=1)
     for stage in (whole, pieces):
