@@ -164,7 +164,8 @@ def test_warm_up_decodes_streamed_chunks_only_and_changes_no_output(model):
     a request's audio is the same as from a stage that did not; chunking too coarse to stream
     (a first window past first_audio_frames, e.g. one window per utterance) is not warmed up."""
     cold, warm = make_stage(model), make_stage(model)
-    assert warm.warm_up()
+    assert cold._frame_s is None
+    assert warm.warm_up() and warm._frame_s > 0          # the second chunks' pace, to start with
     for stage in (cold, warm):
         send(stage, "a", codes(40, 3), finished=True)
     assert torch.equal(run_to_end(cold)["a"], run_to_end(warm)["a"])
