@@ -86,8 +86,13 @@ def test_refuses_what_it_cannot_take(kernel):
     with pytest.raises(ValueError, match="stride 1, one group"):
         PackedConv.of(nn.Conv1d(8, 8, 3, stride=2))
     assert not kernel.supports(torch.randn(1, 8, 10).transpose(1, 2), packed)   # channels strided
-    # weights past MAX_WEIGHT_BYTES (384 x 384 x 11: 6.3 MB) are oneDNN's to run
-    assert not kernel.supports(torch.randn(1, 10, 384), PackedConv.of(nn.Conv1d(384, 384, 11)))
+    # weights past MAX_WEIGHT_BYTES (384 x 384 x 11: 6.3 MB) are oneDNN's to run, not packed
+    assert TimeMajorConvKernel.serves(nn.Conv1d(96, 96, 11)) and TimeMajorConvKernel.serves(nn.Conv1d(3, 1, 7))
+    assert not TimeMajorConvKernel.serves(nn.Conv1d(384, 384, 11))
+    assert not TimeMajorConvKernel.serves(nn.Conv1d(8, 8, 3, stride=2))
+    wide = AMPBlock(384, 11, [1], torch.device("cpu"))
+    wide.kernel = kernel
+    assert wide.packed() == [None, None]
 
 
 def test_amp_block_on_the_kernel_equals_onednn_and_repacks_after_a_load():

@@ -2,13 +2,12 @@
  *
  *   y[b, t, o] = bias[o] + sum_k sum_i w[k][i][o] * x[b, t - pad + k d, i]    (x = 0 outside [0, L))
  *
- * Why: BigVGAN's convolutions on a CPU as torch ops (oneDNN on the channels-last view) spent
- * about three quarters of their time outside the arithmetic at the small channel counts of a
- * vocoder (Qwen2.5-Omni's small checkpoint: 96 down to 3 channels): a primitive descriptor
- * made per call, the weights reordered per call, and a primitive JIT-compiled for every new
- * (batch, length), which a stream's windows keep producing. Here the weights are packed once
- * (Python side: [k][in][out], out padded to a multiple of 16 with zeros) and a call is one
- * pass.
+ * Why: serving Realtime sessions (Qwen2.5-Omni's small checkpoint, 96 down to 3 channels),
+ * oneDNN executed BigVGAN's convolutions in about a quarter of their time; the rest went to
+ * primitives JIT-compiled for every new (batch, length), which a stream's windows, batches and
+ * tails keep producing, to descriptors made per call and to weights reordered per call. With
+ * steady shapes the two run even. Here the weights are packed once (Python side:
+ * [k][in][out], out padded to a multiple of 16 with zeros) and a call is one pass.
  *
  * A task takes TILE output steps of one batch row. Its input rows (the tile's steps and the
  * (K - 1) d around them) are read in place where they lie inside [0, L), else copied with

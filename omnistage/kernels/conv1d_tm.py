@@ -71,13 +71,17 @@ class TimeMajorConvKernel:
         self._fn.restype = ctypes.c_int
 
     @staticmethod
-    def supports(x: torch.Tensor, conv: PackedConv) -> bool:
-        """Whether the kernel takes `x` as it is (float32 (B, L, Cin) on the CPU with unit-stride
-        channels) and serves `conv` well (packed weights up to MAX_WEIGHT_BYTES)."""
-        return TimeMajorConvKernel._takes(x, conv) and conv.weight.numel() * 4 <= MAX_WEIGHT_BYTES
+    def serves(conv: nn.Conv1d) -> bool:
+        """Whether the kernel takes `conv` (stride 1, one group) and serves it well: packed
+        weights up to MAX_WEIGHT_BYTES (only those are packed: no copy of larger weights)."""
+        cout, cin, taps = conv.weight.shape
+        cp = -(-cout // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        return conv.stride[0] == 1 and conv.groups == 1 and taps * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
-    def _takes(x: torch.Tensor, conv: PackedConv) -> bool:
+    def supports(x: torch.Tensor, conv: PackedConv) -> bool:
+        """Whether the kernel takes `x` as it is: float32 (B, L, Cin) on the CPU with unit-stride
+        channels."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3
                 and x.shape[2] == conv.in_channels and x.stride(2) == 1)
 
@@ -87,7 +91,7 @@ class TimeMajorConvKernel:
         b, n, _ = x.shape
         out_len = n + 2 * padding - (conv.taps - 1) * conv.dilation
         # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
-        if not self._takes(x, conv) or padding < 0 or out_len < 1:
+        if not self.supports(x, conv) or padding < 0 or out_len < 1:
             raise ValueError(f"time-major convolution kernel: x {tuple(x.shape)} {x.dtype} "
                              f"(stride {x.stride()}), weight {tuple(conv.weight.shape)}, "
                              f"dilation {conv.dilation}, padding {padding}")

@@ -172,7 +172,7 @@ class AMPBlock(nn.Module):
                                     for _ in dilations)
         self.activations = nn.ModuleList(AntiAliasedSnake(channels, device)
                                          for _ in range(2 * len(dilations)))
-        self._packed: tuple[ParameterState, list[PackedConv]] | None = None
+        self._packed: tuple[ParameterState, list[PackedConv | None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2)):
@@ -184,17 +184,19 @@ class AMPBlock(nn.Module):
         """Convolution j (convs1[i] is 2i, convs2[i] 2i + 1) over x, natively where it can."""
         if self.kernel is not None:
             packed = self.packed()[j]
-            if self.kernel.supports(x, packed):
+            if packed is not None and self.kernel.supports(x, packed):
                 return self.kernel(x, packed, conv.padding[0])
         return time_major.conv1d(conv, x)
 
-    def packed(self) -> list[PackedConv]:
+    def packed(self) -> list[PackedConv | None]:
         """The convolutions in the native kernel's layout (convs1[i] at 2i, convs2[i] at
-        2i + 1), packed again after any parameter changed (ParameterState)."""
+        2i + 1; None for those it does not serve, TimeMajorConvKernel.serves), packed again
+        after any parameter changed (ParameterState)."""
         convs = [c for pair in zip(self.convs1, self.convs2) for c in pair]
         params = [p for c in convs for p in c.parameters()]
         if self._packed is None or not self._packed[0].matches(params):
-            self._packed = (ParameterState.of(params), [PackedConv.of(c) for c in convs])
+            self._packed = (ParameterState.of(params),
+                            [PackedConv.of(c) if TimeMajorConvKernel.serves(c) else None for c in convs])
         return self._packed[1]
 
     @property
@@ -207,7 +209,7 @@ class AMPBlock(nn.Module):
 def use_native_convolutions(model: nn.Module) -> int:
     """Run the convolutions of every AMPBlock of `model` in the native time-major kernel
     (kernels/conv1d_tm.c) where it builds: float32 CPU activations and weights it serves well
-    (TimeMajorConvKernel.supports); others keep oneDNN. Four streams of 200-400 codes through
+    (TimeMajorConvKernel.serves); others keep oneDNN. Four streams of 200-400 codes through
     the small checkpoint's vocoder stage (2 cores, Intel Xeon; a new shape every tail, as in
     serving): BigVGAN 1.46-1.73 -> 0.82-1.07 s a round, the stage 5.8-7.0 -> 7.2-8.2 audio-s
     per wall-s; values within float rounding of oneDNN's (6.4e-7).
