@@ -14,8 +14,8 @@ Each step does one of:
   then goes first (the newcomer's listener is not listening yet);
 - nothing but tail flushes, while some stream is still gathering its first chunk's codes (for
   at most `max_hold_s`, and, while the stage keeps up, not while a listener waiting for a
-  later chunk has less than `hold_margin_s` of speech left to play): each graph step then costs one thinker and one
-  talker step, so the newcomer's codes arrive at full speed;
+  later chunk has less than `hold_margin_s` of speech left to play): each graph step then
+  costs one thinker and one talker step, so the newcomer's codes arrive at full speed;
 - later chunks: one batched solve over up to `frame_budget` frames, and no more than the
   listener closest to running dry (always in it) can wait for at the measured pace (at least
   one window), advanced `intervals_per_step` RK4 intervals
@@ -145,9 +145,9 @@ class VocoderStage(Stage):
         # Wall seconds per window frame of a later-chunk solve, start to finish (the steps of
         # other stages between its intervals included): a running mean, None before the first.
         self._frame_s: float | None = None
+        self.sample_rate = 24000
         # Window frames per second of speech in the streams' largest chunks (the schedule
         # streams settle into): with _frame_s, the stage's pace per stream (see _behind).
-        self.sample_rate = 24000
         dit, largest = model.config.dit_config, stream.largest_chunk
         align = math.lcm(dit.block_size, dit.repeats) // dit.repeats
         window = stream.look_back + align + largest + stream.look_ahead              # codes
