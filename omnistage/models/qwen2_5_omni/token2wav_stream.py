@@ -59,6 +59,11 @@ class StreamConfig:
     def largest_chunk(self) -> int:
         return max(self.max_chunk_size or self.chunk_size, self.chunk(0))
 
+    def longest_window(self, align: int) -> int:
+        """Codes in the longest ODE window: look-back (its start rounded down by up to
+        `align - 1` more codes, window_align), the largest chunk and the look-ahead."""
+        return self.look_back + align + self.largest_chunk + self.look_ahead
+
     @classmethod
     def for_dit(cls, c, vocoder_context: int = 0) -> "StreamConfig":
         """Per the DiT's masks: one pass's exact reach back and ahead (in blocks). The first
@@ -80,6 +85,12 @@ class StreamConfig:
         return cls(chunk_size=first, look_ahead=len(c.look_ahead_layers) * block,
                    look_back=len(c.look_backward_layers) * block, max_chunk_size=12 * block,
                    first_chunk_size=first)
+
+
+def window_align(dit_config) -> int:
+    """Codes per window-start step: windows start on whole DiT blocks (block_size frames,
+    `repeats` frames a code)."""
+    return math.lcm(dit_config.block_size, dit_config.repeats) // dit_config.repeats
 
 
 @dataclass
@@ -105,7 +116,7 @@ class Token2WavStream:
         self.guidance = check_settings(steps, sway, guidance_scale)
         self.cfg = config or StreamConfig.for_dit(c)
         self.repeats = c.repeats
-        self.align = math.lcm(c.block_size, c.repeats) // c.repeats    # codes per window-start step
+        self.align = window_align(c)                                   # codes per window-start step
         self.vctx = (model.vocoder.receptive_field() if self.cfg.vocoder_context is None
                      else self.cfg.vocoder_context)
         self._check(self.cfg)
@@ -141,8 +152,7 @@ class Token2WavStream:
             raise InvalidRequestError(
                 f"{param} must exceed {self.vctx // self.repeats} codes (the vocoder's context of "
                 f"{self.vctx} frames) for the first chunk to carry audio", param=param)
-        self.model.check_frames(self.repeats * (cfg.look_back + self.align + cfg.largest_chunk
-                                                + cfg.look_ahead))
+        self.model.check_frames(self.repeats * cfg.longest_window(self.align))
 
     def push(self, codes) -> list[torch.Tensor]:
         """Add codes; returns the PCM chunks that became ready (possibly none)."""

@@ -26,7 +26,6 @@ lead; a new request's first audio no longer waits behind seconds of other reques
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -38,7 +37,7 @@ from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_dit import SpeakerTerms
 from omnistage.models.qwen2_5_omni.token2wav_stream import (StreamConfig, StreamSolve,
                                                             Token2WavStream, solve_key,
-                                                            step_streams)
+                                                            step_streams, window_align)
 from omnistage.stage_messages import StageOutput
 from omnistage.stages.base import Stage
 from omnistage.stages.hold import Hold
@@ -148,10 +147,8 @@ class VocoderStage(Stage):
         self.sample_rate = 24000
         # Window frames per second of speech in the streams' largest chunks (the schedule
         # streams settle into): with _frame_s, the stage's pace per stream (see _behind).
-        dit, largest = model.config.dit_config, stream.largest_chunk
-        align = math.lcm(dit.block_size, dit.repeats) // dit.repeats
-        window = stream.look_back + align + largest + stream.look_ahead              # codes
-        self._frames_per_speech_s = window / (largest * model.vocoder.hop / self.sample_rate)
+        window = stream.longest_window(window_align(model.config.dit_config))     # codes
+        self._frames_per_speech_s = window / (stream.largest_chunk * model.vocoder.hop / self.sample_rate)
 
     def _open(self, rid: str, speaker: str, seed: int | None) -> Token2WavStream:
         if self.noise_for is not None:
@@ -179,10 +176,13 @@ class VocoderStage(Stage):
         speech >= 1, a second of speech costing the window frames of the largest chunks: the
         early, smaller chunks recompute more look-back per second of speech, and counting them
         called four Realtime sessions on 2 cores behind, where they keep up)."""
-        if any(p.ran_dry(now) for p in self._playback.values()):
+        if self._a_listener_ran_dry(now):
             return True
         pace = self._frame_s is not None and self._frame_s * self._frames_per_speech_s
         return bool(pace) and len(self._streams) * pace >= 1.0
+
+    def _a_listener_ran_dry(self, now: float) -> bool:
+        return any(p.ran_dry(now) for p in self._playback.values())
 
     def _stream(self, speaker: str, noise: torch.Tensor | torch.Generator,
                 config: StreamConfig) -> Token2WavStream:
@@ -242,7 +242,7 @@ class VocoderStage(Stage):
         flush, first, later, gathering = [], [], [], False
         now = self.clock()
         behind = self._behind(now)
-        dry = self.settings.catch_up and any(p.ran_dry(now) for p in self._playback.values())
+        dry = self.settings.catch_up and self._a_listener_ran_dry(now)
         for rid, s in self._streams.items():          # insertion order: oldest stream first
             if rid in self._solving:
                 continue
@@ -310,8 +310,7 @@ class VocoderStage(Stage):
         listening. When the stage is behind (overload), newcomers go first: with eight Realtime
         sessions on 2 cores, the later chunks of every listener near its end taking turns
         before first chunks put first audio 1.4 -> 2.6 s (p50)."""
-        margin = self.settings.hold_margin_s
-        return any(self._left_to_play(rid, now) < margin for rid in rids)
+        return self._least_left(rids, now) < self.settings.hold_margin_s
 
     def _waiting_later(self) -> list[str]:
         """The streams waiting for a later chunk: in the solve, or ready for one."""
