@@ -9,6 +9,7 @@
  * reaches it; the second pass stops there and finds the row in cache. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec16.h"                    /* vf, vi (16 lanes), load, splat, vmax, vge, any_lane */
@@ -92,13 +93,27 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld, int64_t *o
         out[r] = row_argmax(x + r * ld, n);
 }
 
-/* Greedy rows with their bans and HF's repetition penalty applied on the way, as the sampler's
- * torch path computes them (mask_banned, then apply_penalties, then the argmax): row r is
- * copied into work, banned[r] ids (of banned_counts[r]) set to -inf, then every id in seen[r]
- * (prompt and output so far, repeats allowed) takes l / p if l > 0 else l * p of its value
- * after the bans (all values read before any is written, so a repeated id is penalised once),
- * and out[r] is the copy's argmax. Ids outside [0, n) are ignored. The same float32 operations
- * as torch's, so the same token. work: rows * (n + the longest seen) floats.
+/* Row r's logits as the sampler's torch path leaves them before it chooses (mask_banned, then
+ * apply_penalties' repetition penalty): copied into y, its banned ids (nb of them) set to -inf,
+ * then every id in seen (ns of them: prompt and output so far, repeats allowed) takes l / p if
+ * l > 0 else l * p of its value after the bans (all values read into vals before any is
+ * written, so a repeated id is penalised once). Ids outside [0, n) are ignored. The same
+ * float32 operations as torch's. */
+static void penalize_row(const float *x, int64_t n, float *y, const int64_t *banned, int64_t nb,
+                         const int64_t *seen, int64_t ns, float p, float *vals) {
+    memcpy(y, x, sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < nb; i++)
+        if (banned[i] >= 0 && banned[i] < n) y[banned[i]] = -INFINITY;
+    if (p == 1.0f || ns == 0) return;
+    for (int64_t i = 0; i < ns; i++)
+        vals[i] = seen[i] >= 0 && seen[i] < n ? y[seen[i]] : 0.0f;
+    for (int64_t i = 0; i < ns; i++)
+        if (seen[i] >= 0 && seen[i] < n) y[seen[i]] = vals[i] > 0.0f ? vals[i] / p : vals[i] * p;
+}
+
+/* Greedy rows with their bans and HF's repetition penalty applied on the way (penalize_row),
+ * then out[r] = the copy's argmax: the sampler's torch path's token. work: rows * (n + the
+ * longest seen) floats.
  * Why: as torch ops (a clone, a mask, gathers and scatters of flat indices, a where) a talker's
  * row (8448 codes, ~1000 banned, a few hundred seen) cost ~0.25 ms a step, here ~0.02. */
 void penalized_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
@@ -106,24 +121,104 @@ void penalized_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
                            const int64_t *const *seen, const int64_t *seen_counts,
                            const float *penalty, float *work, int64_t width, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
-        float *y = work + r * width, *vals = y + n;
-        memcpy(y, x + r * ld, sizeof(float) * (size_t)n);
-        for (int64_t i = 0; i < banned_counts[r]; i++) {
-            const int64_t id = banned[r][i];
-            if (id >= 0 && id < n) y[id] = -INFINITY;
-        }
-        const float p = penalty[r];
-        const int64_t m = seen_counts[r];
-        if (p != 1.0f && m > 0) {
-            for (int64_t i = 0; i < m; i++) {
-                const int64_t id = seen[r][i];
-                vals[i] = id >= 0 && id < n ? y[id] : 0.0f;
-            }
-            for (int64_t i = 0; i < m; i++) {
-                const int64_t id = seen[r][i];
-                if (id >= 0 && id < n) y[id] = vals[i] > 0.0f ? vals[i] / p : vals[i] * p;
-            }
-        }
+        float *y = work + r * width;
+        penalize_row(x + r * ld, n, y, banned[r], banned_counts[r], seen[r], seen_counts[r],
+                     penalty[r], y + n);
         out[r] = row_argmax(y, n);
+    }
+}
+
+/* The k-th largest of y's n values (k in [1, n]; NaNs are passed over): a min-heap of the k
+ * largest seen, which a value enters only when it beats the heap's least (most do not: one
+ * compare each). heap: k floats. */
+static float kth_largest(const float *y, int64_t n, int64_t k, float *heap) {
+    for (int64_t i = 0; i < k; i++) heap[i] = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = y[i];
+        if (!(v > heap[0])) continue;
+        int64_t at = 0;                      /* sift v down from the root */
+        for (;;) {
+            int64_t c = 2 * at + 1;
+            if (c >= k) break;
+            if (c + 1 < k && heap[c + 1] < heap[c]) c++;
+            if (heap[c] >= v) break;
+            heap[at] = heap[c];
+            at = c;
+        }
+        heap[at] = v;
+    }
+    return heap[0];
+}
+
+static int descending(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x < y) - (x > y);
+}
+
+/* The cut top_p makes in the tokens at or above t_k (their values s[0..c), sorted here
+ * descending): the softmax over them (their log-sum-exp, then exp(s - lse)), cumulated in
+ * double as torch's CPU cumsum does; position j > 0 stays while the mass before it is below
+ * top_p, position 0 always, and the cut is the last kept value (ties with it stay too). */
+static float top_p_cut(float *s, int64_t c, float top_p) {
+    if (top_p >= 1.0f) return -INFINITY;
+    qsort(s, (size_t)c, sizeof(float), descending);
+    const float m = s[0];
+    if (m == -INFINITY) return -INFINITY;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < c; j++) sum += expf(s[j] - m);
+    const float lse = logf(sum) + m;
+    double acc = 0.0;
+    int64_t keep = 1;
+    for (int64_t j = 0; j + 1 < c; j++) {
+        acc += (double)expf(s[j] - lse);
+        if ((float)acc < top_p) keep++;
+        else break;                          /* the cumulative mass only grows */
+    }
+    return s[keep - 1];
+}
+
+/* Sampled rows of a talker-like step, the sampler's torch path's token: row r's logits after
+ * penalize_row, divided by temperature[r]; the tokens at or above its top_k[r]-th largest
+ * value (ties all in), cut again by top_p[r] (top_p_cut); among those, the largest
+ * y - log_e (the exponential race: log_e row r holds log E, E ~ Exp(1), drawn by the caller),
+ * the first index where several are equal (index 0 where all are -inf, as torch's argmax).
+ * top_k[r] in [1, n]. work: rows * (n + the longest seen + top_k max + n) floats (width);
+ * cand: rows * n indices.
+ * The same float32 operations as torch's except the top-p normaliser (a sum in another order,
+ * and expf for SLEEF's exp): the cut can differ only where a cumulative probability lies
+ * within a few ulps of top_p.
+ * Why: as torch ops (clone, mask, gathers, a divide, topk, logsumexp over the row, cumsum,
+ * masked_fill, subtract, argmax) a talker's row of 8448 codes cost ~0.15 ms a step, six rows
+ * ~1 ms of a ~2.9 ms step; here ~0.02 ms a row. */
+void topk_race_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
+                    const int64_t *const *banned, const int64_t *banned_counts,
+                    const int64_t *const *seen, const int64_t *seen_counts,
+                    const float *penalty, const float *temperature, const int64_t *top_k,
+                    const float *top_p, const float *log_e, int64_t ld_e,
+                    float *work, int64_t width, int64_t *cand, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *y = work + r * width, *scratch = y + n;   /* seen values, then heap and values */
+        int64_t *idx = cand + r * n;
+        penalize_row(x + r * ld, n, y, banned[r], banned_counts[r], seen[r], seen_counts[r],
+                     penalty[r], scratch);
+        const float t = temperature[r];
+        for (int64_t i = 0; i < n; i++) y[i] = y[i] / t;
+        const float t_k = kth_largest(y, n, top_k[r], scratch);
+        float *s = scratch + top_k[r];
+        int64_t c = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (y[i] >= t_k) { idx[c] = i; s[c] = y[i]; c++; }
+        const float cut = c ? top_p_cut(s, c, top_p[r]) : t_k;
+        const float keep = cut > t_k ? cut : t_k;
+        const float *le = log_e + r * ld_e;
+        float best = -INFINITY;
+        int64_t choice = 0;
+        for (int64_t j = 0; j < c; j++) {
+            const int64_t i = idx[j];
+            if (!(y[i] >= keep)) continue;
+            const float v = y[i] - le[i];
+            if (v > best) { best = v; choice = i; }
+        }
+        out[r] = choice;
     }
 }

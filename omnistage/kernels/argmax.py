@@ -1,5 +1,6 @@
-"""Row argmax as torch.argmax answers it, in one native call (argmax.c): greedy decoding's
-choice over a step's logits."""
+"""A step's token choices over its logits in one native call each (argmax.c): the row argmax
+as torch.argmax answers it (greedy decoding), greedy rows with bans and a repetition penalty,
+and sampled rows' top-k / top-p exponential race."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class ArgmaxKernel:
         self._penalized = lib.penalized_argmax_rows
         self._penalized.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, i64, p]
         self._penalized.restype = None
+        self._race = lib.topk_race_rows
+        self._race.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p, p, p, i64, p, i64, p, p]
+        self._race.restype = None
 
     @staticmethod
     def supports(x: torch.Tensor) -> bool:
@@ -50,18 +54,55 @@ class ArgmaxKernel:
         is applied to the ids it has seen (int64, 1-D, repeats allowed), as the sampler's torch
         path computes them (argmax.c's penalized_argmax_rows: the same token)."""
         rows, n = x.shape
-        if not (self.supports(x) and len(banned) == len(seen) == len(penalties) == rows
-                and all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in (*banned, *seen))):
-            raise ValueError("penalized argmax: x (B, V) float32 on the CPU and, per row, 1-D int64 "
-                             "banned and seen ids and a penalty")
+        self._check(x, banned, seen, penalties, "penalized argmax")
         width = n + max((t.numel() for t in seen), default=0)
         work = torch.empty(rows * width)
-        pointers = ctypes.c_void_p * rows
-        counts = ctypes.c_int64 * rows
         out = torch.empty(rows, dtype=torch.int64)
         if rows:
-            self._penalized(x.data_ptr(), rows, n, x.stride(0), pointers(*(t.data_ptr() for t in banned)),
-                            counts(*(t.numel() for t in banned)), pointers(*(t.data_ptr() for t in seen)),
-                            counts(*(t.numel() for t in seen)), (ctypes.c_float * rows)(*penalties),
-                            work.data_ptr(), width, out.data_ptr())
+            self._penalized(x.data_ptr(), rows, n, x.stride(0), *_ids(banned), *_ids(seen),
+                            _floats(penalties), work.data_ptr(), width, out.data_ptr())
         return out
+
+    def race(self, x: torch.Tensor, banned: list[torch.Tensor], seen: list[torch.Tensor],
+             penalties: list[float], temperatures: list[float], top_k: list[int],
+             top_p: list[float], log_e: torch.Tensor) -> torch.Tensor:
+        """Sampled rows: x (B, V) float32 as for greedy (bans, then the repetition penalty),
+        divided by temperatures[i]; the tokens at or above the row's top_k[i]-th largest
+        value (1 <= top_k[i] <= V), cut by top_p[i] as the sampler's filter_threshold does;
+        of those, the argmax of x - log_e (log_e (B, V) float32: the row's log E, E ~ Exp(1)).
+        The sampler's torch path's token (argmax.c's topk_race_rows; the top-p cut can differ
+        only where a cumulative probability lies within a few ulps of top_p)."""
+        rows, n = x.shape
+        self._check(x, banned, seen, penalties, "top-k race")
+        if not (len(temperatures) == len(top_k) == len(top_p) == rows and all(1 <= k <= n for k in top_k)
+                and self.supports(log_e) and log_e.shape == x.shape):
+            raise ValueError("top-k race: a temperature, a top_k in [1, V] and a top_p per row, "
+                             "and log_e shaped as x (float32 on the CPU)")
+        width = n + max(max((t.numel() for t in seen), default=0), max(top_k, default=0) + n)
+        work = torch.empty(rows * width)
+        cand = torch.empty(rows * n, dtype=torch.int64)
+        out = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            self._race(x.data_ptr(), rows, n, x.stride(0), *_ids(banned), *_ids(seen), _floats(penalties),
+                       _floats(temperatures), (ctypes.c_int64 * rows)(*top_k), _floats(top_p),
+                       log_e.data_ptr(), log_e.stride(0), work.data_ptr(), width, cand.data_ptr(),
+                       out.data_ptr())
+        return out
+
+    def _check(self, x: torch.Tensor, banned: list[torch.Tensor], seen: list[torch.Tensor],
+               penalties: list[float], what: str) -> None:
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if not (self.supports(x) and len(banned) == len(seen) == len(penalties) == rows
+                and all(t.dtype == torch.int64 and t.dim() == 1 and t.is_contiguous() for t in (*banned, *seen))):
+            raise ValueError(f"{what}: x (B, V) float32 on the CPU and, per row, 1-D int64 "
+                             "banned and seen ids and a penalty")
+
+
+def _ids(rows: list[torch.Tensor]) -> tuple:
+    """Per-row id tensors as C's (pointers, counts) arrays."""
+    return ((ctypes.c_void_p * len(rows))(*(t.data_ptr() for t in rows)),
+            (ctypes.c_int64 * len(rows))(*(t.numel() for t in rows)))
+
+
+def _floats(values: list[float]):
+    return (ctypes.c_float * len(values))(*values)

@@ -11,7 +11,7 @@ from omnistage.kernels.paged_attention import PagedAttentionKernel
 from omnistage.layers.attention import (AttentionMetadata, DecodeGroup, KVCache, NativeBatches,
                                         PrefillSpan)
 from omnistage.llm.model_output import LMOutput
-from omnistage.llm.sampler import GreedyChooser, RowArgmax, Sampler, SamplingBatch, torch_argmax
+from omnistage.llm.sampler import GreedyChooser, RowArgmax, Sampler, SamplingBatch, TopKRace, torch_argmax
 from omnistage.llm.scheduler import ScheduledChunk, SchedulerPlan
 from omnistage.llm.sequence import Sequence
 from omnistage.sampling_params import SamplingParams
@@ -53,7 +53,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, eos_token_ids: set[int], seed: int = 0,
                  kernel: PagedAttentionKernel | None = None, kv_dtype: torch.dtype | None = None,
-                 argmax: RowArgmax = torch_argmax, greedy: GreedyChooser | None = None):
+                 argmax: RowArgmax = torch_argmax, greedy: GreedyChooser | None = None,
+                 race: TopKRace | None = None):
         self.model = model
         # Native attention (two calls per layer, blocks read in place), or None: the PyTorch
         # path, which gathers contexts.
@@ -68,7 +69,7 @@ class ModelRunner:
         self.dtype = dtype
         self._gather_buffer: torch.Tensor | None = None
         self.eos_token_ids = set(eos_token_ids)
-        self.sampler = Sampler(seed, argmax=argmax, greedy=greedy)
+        self.sampler = Sampler(seed, argmax=argmax, greedy=greedy, race=race)
         self._suppress_cache: dict[tuple[int, bool], tuple[tuple, torch.Tensor]] = {}   # _banned
         # Prefix caching on: sequences that return hidden states keep their prompt rows until
         # their blocks are stored (a later request that reuses the blocks needs them).

@@ -52,8 +52,9 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
     kv = kv_cache_config(config, model, kv_dtype)
     attention = attention_kernel(config, model, device, dtype, kv_dtype)
     argmax = row_argmax(linear)
+    native = argmax if isinstance(argmax, ArgmaxKernel) else None    # greedy and race choosers too
     runner = ModelRunner(model, kv.num_blocks, kv.block_size, dtype, device, eos_ids, config.seed,
-                         attention, kv_dtype, argmax, argmax if isinstance(argmax, ArgmaxKernel) else None)
+                         attention, kv_dtype, argmax, native, native)
     if linear.startswith("native") and attention is not None:
         # Native linears and attention: the layer loop can run in C as well (one call a step).
         if model.use_native_stack(attention, runner.caches):

@@ -85,6 +85,8 @@ def test_the_native_engine_samples_with_it(tiny_qwen2):
     for kernel, native in (("native", True), ("matmul", False)):
         omni = Omni(tiny_qwen2, linear_kernel=kernel)
         try:
-            assert isinstance(omni.engine.llm.runner.sampler.argmax, ArgmaxKernel) == native
+            sampler = omni.engine.llm.runner.sampler
+            assert isinstance(sampler.argmax, ArgmaxKernel) == native
+            assert isinstance(sampler.greedy, ArgmaxKernel) == native == isinstance(sampler.race, ArgmaxKernel)
         finally:
             omni.close()

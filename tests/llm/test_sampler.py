@@ -450,3 +450,73 @@ def test_native_greedy_chooser_gives_the_torch_paths_tokens():
         assert torch.equal(Sampler(argmax=kernel, greedy=chooser)(logits, mixed).token_ids,
                            Sampler()(logits, mixed).token_ids)
     assert chooser.calls == 1
+
+
+def test_native_top_k_race_gives_the_torch_paths_tokens():
+    """Rows that all sample with a top_k (a talker's step) go through one native call
+    (ArgmaxKernel.race) after the same noise draws, and choose what the torch path chooses:
+    random batches of 1-8 rows over 7-8448 ids with top_k from 1 to 200, top_p from 0.01 to
+    1, temperatures, repetition penalties (ids outside [0, V) too), bans, seeded and unseeded
+    rows, values tied across the top-k cut, rows with fewer finite values than top_k, and
+    seeded rows step after step. Batches it does not take go the torch way."""
+    import random
+
+    from omnistage.kernels.argmax import ArgmaxKernel
+    from omnistage.kernels.build import NativeBuildError
+
+    try:
+        kernel = ArgmaxKernel()
+    except NativeBuildError as e:
+        pytest.skip(f"the argmax kernel does not build here: {e}")
+
+    class Counting:
+        calls = 0
+
+        def supports(self, x):
+            return kernel.supports(x)
+
+        def race(self, *args):
+            Counting.calls += 1
+            return kernel.race(*args)
+
+    rng, chooser, rows = random.Random(3), Counting(), 0
+    for trial in range(150):
+        V, B = rng.choice([7, 64, 1000, 8448]), rng.randint(1, 8)
+        g = torch.Generator().manual_seed(trial)
+        params = [SamplingParams(temperature=rng.choice([0.3, 0.9, 1.7]), top_k=rng.randint(1, min(V - 1, 200)),
+                                 top_p=rng.choice([1.0, 0.95, 0.8, 0.5, 0.01]),
+                                 repetition_penalty=rng.choice([1.0, 1.05, 1.3])) for _ in range(B)]
+        seeds = [rng.randint(0, 10**6) if rng.random() < 0.7 else None for _ in range(B)]
+        logits = torch.randn(B, V, generator=g) * rng.choice([0.1, 1.0, 3.0, 10.0])
+        if trial % 3 == 0:                           # ties, across the top-k cut too
+            logits = (logits * 2).round() / 2
+        if trial % 7 == 0:                           # fewer finite values than top_k
+            logits[0, 3:] = -float("inf")
+        batch = make_batch(params, prompts=[torch.randint(-2, V + 2, (rng.randint(0, 300),), generator=g).tolist()
+                                            for _ in range(B)],
+                           outputs=[torch.randint(0, V, (rng.randint(0, 50),), generator=g).tolist() for _ in range(B)],
+                           banned=[torch.randint(0, V, (rng.randint(0, V // 3),), generator=g).tolist()
+                                   for _ in range(B)])
+        samplers = Sampler(seed=trial), Sampler(seed=trial, argmax=kernel, race=chooser)
+        for step in range(2):                        # the generators carry on
+            batch.generators = [None if s is None else torch.Generator().manual_seed(s + step) for s in seeds]
+            want = samplers[0](logits, batch).token_ids
+            batch.generators = [None if s is None else torch.Generator().manual_seed(s + step) for s in seeds]
+            got = samplers[1](logits, batch).token_ids
+            assert torch.equal(got, want), (trial, step)
+        rows += B
+    assert chooser.calls == 300 and rows > 500
+    V, g = 500, torch.Generator().manual_seed(5)
+    logits = torch.randn(3, V, generator=g)
+    race = SamplingParams(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05)
+    for other in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+                  SamplingParams(temperature=0.9, top_k=40, min_p=0.1),
+                  SamplingParams(temperature=0.9, top_k=40, presence_penalty=0.5),
+                  SamplingParams(temperature=0.9, top_k=40, logprobs=2)):
+        params = [race, race, other]
+        batch = make_batch(params)
+        batch.generators = [torch.Generator().manual_seed(i) for i in range(3)]
+        got = Sampler(argmax=kernel, race=chooser)(logits, batch).token_ids
+        batch.generators = [torch.Generator().manual_seed(i) for i in range(3)]
+        assert torch.equal(got, Sampler()(logits, batch).token_ids), other
+    assert chooser.calls == 300
