@@ -383,13 +383,24 @@ class VocoderStage(Stage):
 
     def starving(self) -> bool:
         """Some stream's next chunk (after the one being solved, for those in the solve)
-        still lacks codes: the talker should run ahead (StageGraph.step). Not while first
-        chunks are ready: they go first, and the talker's extra passes would delay them (16
-        requests at once: first audio p50 1.95 -> 2.47 s when fed then too)."""
-        if any(s.num_chunks == 0 and s.ready() for s in self._streams.values()):
-            return False
+        still lacks codes: the talker should run ahead (StageGraph.step), its extra passes
+        taking as long as this stage's. While the stage keeps up (not _behind) and a
+        listener waiting for a later chunk is about to run dry, only for that listener's
+        codes: while first chunks are ready (they go first otherwise: 16 requests at once had
+        first audio p50 1.95 -> 2.47 s when the talker was fed then too), and while no
+        newcomer gathers its first codes, not while its chunk is solved or ready (the
+        talker's passes would halve the solve's pace: four 15 s Realtime turns ending
+        together, 2 cores, a listener with 0.44 s left waited 0.7 s for a solve of three)."""
+        now = self.clock()
         ends = dict(zip(self._solving, (p.chunk_end for p in self._solve.plans))) if self._solve else {}
-        return any(s.short_of_codes(ends.get(rid)) for rid, s in self._streams.items())
+        short = [rid for rid, s in self._streams.items() if s.short_of_codes(ends.get(rid))]
+        if not short:
+            return False
+        urgent = not self._behind(now)
+        if any(s.num_chunks == 0 and s.ready() for s in self._streams.values()):
+            return urgent and self._about_to_run_dry([r for r in short if self._streams[r].num_chunks > 0], now)
+        gathering = any(s.num_chunks == 0 for s in self._streams.values())
+        return not (urgent and not gathering and self._about_to_run_dry(self._waiting_later(), now))
 
     def wake_after(self) -> float | None:
         """Seconds until held later chunks may run without new input (None: not holding): the

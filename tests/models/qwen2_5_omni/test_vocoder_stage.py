@@ -224,6 +224,43 @@ def test_starving_while_a_next_chunk_lacks_codes(model):
     assert not stage.starving()
 
 
+def test_the_talker_is_fed_for_a_near_dry_listener_and_not_against_it(model):
+    """While the stage keeps up and a listener waiting for a later chunk is about to run dry
+    (less than hold_margin_s left): with a newcomer's first chunk ready, the stage asks for
+    codes only for that listener's next chunk; with its chunk in flight, it asks for none
+    (the talker's extra passes would slow the solve), unless a newcomer is gathering its
+    first codes or the stage is behind."""
+    now = [0.0]
+    stage = make_stage(model, clock=lambda: now[0], intervals_per_step=1)
+    send(stage, "a", codes(40, 0))
+    [out] = stage.step()                                 # a's first chunk: codes 0-15
+    sent = out.payload.samples.numel() / stage.sample_rate
+    stage.settings.hold_margin_s = sent / 2
+    assert stage.step() == [] and stage._solve is not None   # chunk 1 (16-31) in flight
+    assert stage._streams["a"].short_of_codes(32)        # chunk 2 (32-63) needs codes up to 68
+    assert stage.starving()                              # a has all its speech left
+    now[0] = sent * 0.75                                 # a: a quarter left, its chunk in flight
+    assert not stage.starving()
+    stage._frame_s = 1.0 / stage._frames_per_speech_s    # behind: the talker is fed regardless
+    assert stage.starving()
+    stage._frame_s = None
+    send(stage, "c", codes(5, 2))                        # a newcomer gathering its first codes
+    assert stage.starving()
+
+    now[0] = 0.0
+    fed = make_stage(model, clock=lambda: now[0])
+    send(fed, "a", codes(20, 0))
+    [out] = fed.step()                                   # a's first chunk; chunk 1 needs 36 codes
+    sent = out.payload.samples.numel() / fed.sample_rate
+    fed.settings.hold_margin_s = sent / 2
+    send(fed, "b", codes(20, 1))                         # b's first chunk ready
+    assert not fed.starving()                            # a has all its speech left: b first
+    now[0] = sent * 0.75
+    assert fed.starving()                                # for a's codes
+    fed._frame_s = 1.0 / fed._frames_per_speech_s        # behind: newcomers first
+    assert not fed.starving()
+
+
 def test_a_first_chunk_planned_beside_others_is_the_busy_one(model):
     """first_chunk_busy: a stream whose first chunk is planned while another stream is in the
     stage has the longer first chunk (its listener plays it while the stage serves both),
