@@ -185,11 +185,9 @@ class Sampler:
         if (self.greedy is not None and plan.greedy_with_repetition(batch.params)
                 and self.greedy.supports(logits)):
             return SamplerOutput(self._greedy(logits, batch), None, None, None)
-        if (self.race is not None and plan.top_k_race(batch.params, logits.shape[1])
-                and self.race.supports(logits.float())):
-            return SamplerOutput(self._race(logits.float(), batch), None, None, None)
-
         raw = logits.float()  # (B, V); aliases `logits` when it is already float32: never edit in place
+        if self.race is not None and plan.top_k_race(batch.params, raw.shape[1]) and self.race.supports(raw):
+            return SamplerOutput(self._race(raw, batch), None, None, None)
         x = raw.clone() if (plan.any_banned or plan.penalty_rows) else raw
         if plan.any_banned:
             mask_banned(x, batch.banned_token_ids)
