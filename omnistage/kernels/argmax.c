@@ -7,6 +7,7 @@
  * 2-3% of a small model's decode step and more of a large vocabulary's. Here a row takes two
  * vectorised passes: its maximum (and whether it holds a NaN), then the first index that
  * reaches it; the second pass stops there and finds the row in cache. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -155,13 +156,29 @@ static int descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* s[0..c) in descending order: by insertion for a top-k's few dozen values (qsort's calls
+ * through a comparator cost a predictor row of 50 candidates more than the rest of its
+ * choice), qsort beyond. */
+static void sort_descending(float *s, int64_t c) {
+    if (c > 64) {
+        qsort(s, (size_t)c, sizeof(float), descending);
+        return;
+    }
+    for (int64_t i = 1; i < c; i++) {
+        const float v = s[i];
+        int64_t j = i;
+        for (; j > 0 && s[j - 1] < v; j--) s[j] = s[j - 1];
+        s[j] = v;
+    }
+}
+
 /* The cut top_p makes in the tokens at or above t_k (their values s[0..c), sorted here
  * descending): the softmax over them (their log-sum-exp, then exp(s - lse)), cumulated in
  * double as torch's CPU cumsum does; position j > 0 stays while the mass before it is below
  * top_p, position 0 always, and the cut is the last kept value (ties with it stay too). */
 static float top_p_cut(float *s, int64_t c, float top_p) {
     if (top_p >= 1.0f) return -INFINITY;
-    qsort(s, (size_t)c, sizeof(float), descending);
+    sort_descending(s, c);
     const float m = s[0];
     if (m == -INFINITY) return -INFINITY;
     float sum = 0.0f;
@@ -180,21 +197,21 @@ static float top_p_cut(float *s, int64_t c, float top_p) {
 /* Sampled rows of a talker-like step, the sampler's torch path's token: row r's logits after
  * penalize_row, divided by temperature[r]; the tokens at or above its top_k[r]-th largest
  * value (ties all in), cut again by top_p[r] (top_p_cut); among those, the largest
- * y - log_e (the exponential race: log_e row r holds log E, E ~ Exp(1), drawn by the caller),
- * the first index where several are equal (index 0 where all are -inf, as torch's argmax).
- * top_k[r] in [1, n]. work: rows * (n + the longest seen + top_k max + n) floats (width);
- * cand: rows * n indices.
- * The same float32 operations as torch's except the top-p normaliser (a sum in another order,
- * and expf for SLEEF's exp): the cut can differ only where a cumulative probability lies
- * within a few ulps of top_p.
+ * y - log E, E = max(-log u, FLT_MIN) (the exponential race over the row's uniforms u, drawn by
+ * the caller; only the kept tokens' noise is computed), the first index where several are
+ * equal (index 0 where all are -inf, as torch's argmax). top_k[r] in [1, n]. work: rows *
+ * (n + the longest seen + top_k max + n) floats (width); cand: rows * n indices.
+ * The same float32 operations as torch's except where libm and SLEEF round differently (the
+ * noise's logs, the top-p normaliser's exp and its sum order): a token can differ only where
+ * two kept tokens' noisy scores, or a cumulative probability and top_p, lie within a few ulps.
  * Why: as torch ops (clone, mask, gathers, a divide, topk, logsumexp over the row, cumsum,
- * masked_fill, subtract, argmax) a talker's row of 8448 codes cost ~0.15 ms a step, six rows
- * ~1 ms of a ~2.9 ms step; here ~0.02 ms a row. */
+ * masked_fill, the noise's four passes over the row, subtract, argmax) a talker's row of 8448
+ * codes cost ~0.15 ms a step, six rows ~1 ms of a ~2.9 ms step; here ~0.02 ms a row. */
 void topk_race_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
                     const int64_t *const *banned, const int64_t *banned_counts,
                     const int64_t *const *seen, const int64_t *seen_counts,
                     const float *penalty, const float *temperature, const int64_t *top_k,
-                    const float *top_p, const float *log_e, int64_t ld_e,
+                    const float *top_p, const float *u, int64_t ld_u,
                     float *work, int64_t width, int64_t *cand, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
         float *y = work + r * width, *scratch = y + n;   /* seen values, then heap and values */
@@ -210,13 +227,15 @@ void topk_race_rows(const float *x, int64_t rows, int64_t n, int64_t ld,
             if (y[i] >= t_k) { idx[c] = i; s[c] = y[i]; c++; }
         const float cut = c ? top_p_cut(s, c, top_p[r]) : t_k;
         const float keep = cut > t_k ? cut : t_k;
-        const float *le = log_e + r * ld_e;
+        const float *ur = u + r * ld_u;
         float best = -INFINITY;
         int64_t choice = 0;
         for (int64_t j = 0; j < c; j++) {
             const int64_t i = idx[j];
             if (!(y[i] >= keep)) continue;
-            const float v = y[i] - le[i];
+            float e = -logf(ur[i]);                  /* u = 0: e = inf, the token loses */
+            if (!(e >= FLT_MIN)) e = FLT_MIN;
+            const float v = y[i] - logf(e);
             if (v > best) { best = v; choice = i; }
         }
         out[r] = choice;

@@ -65,19 +65,19 @@ class ArgmaxKernel:
 
     def race(self, x: torch.Tensor, banned: list[torch.Tensor], seen: list[torch.Tensor],
              penalties: list[float], temperatures: list[float], top_k: list[int],
-             top_p: list[float], log_e: torch.Tensor) -> torch.Tensor:
+             top_p: list[float], u: torch.Tensor) -> torch.Tensor:
         """Sampled rows: x (B, V) float32 as for greedy (bans, then the repetition penalty),
         divided by temperatures[i]; the tokens at or above the row's top_k[i]-th largest
         value (1 <= top_k[i] <= V), cut by top_p[i] as the sampler's filter_threshold does;
-        of those, the argmax of x - log_e (log_e (B, V) float32: the row's log E, E ~ Exp(1)).
-        The sampler's torch path's token (argmax.c's topk_race_rows; the top-p cut can differ
-        only where a cumulative probability lies within a few ulps of top_p)."""
+        of those, the argmax of x - log E with E = -log u (u (B, V) float32: the row's
+        uniforms). The sampler's torch path's token but where libm and SLEEF round apart
+        (argmax.c's topk_race_rows)."""
         rows, n = x.shape
         self._check(x, banned, seen, penalties, "top-k race")
         if not (len(temperatures) == len(top_k) == len(top_p) == rows and all(1 <= k <= n for k in top_k)
-                and self.supports(log_e) and log_e.shape == x.shape):
+                and self.supports(u) and u.shape == x.shape):
             raise ValueError("top-k race: a temperature, a top_k in [1, V] and a top_p per row, "
-                             "and log_e shaped as x (float32 on the CPU)")
+                             "and uniforms shaped as x (float32 on the CPU)")
         width = n + max(max((t.numel() for t in seen), default=0), max(top_k, default=0) + n)
         work = torch.empty(rows * width)
         cand = torch.empty(rows * n, dtype=torch.int64)
@@ -85,7 +85,7 @@ class ArgmaxKernel:
         if rows:
             self._race(x.data_ptr(), rows, n, x.stride(0), *_ids(banned), *_ids(seen), _floats(penalties),
                        _floats(temperatures), (ctypes.c_int64 * rows)(*top_k), _floats(top_p),
-                       log_e.data_ptr(), log_e.stride(0), work.data_ptr(), width, cand.data_ptr(),
+                       u.data_ptr(), u.stride(0), work.data_ptr(), width, cand.data_ptr(),
                        out.data_ptr())
         return out
 

@@ -58,15 +58,16 @@ class GreedyChooser(Protocol):
 
 class TopKRace(Protocol):
     """Sampled rows that all use top_k (with top_p, bans and HF's repetition penalty, nothing
-    else) in one call, from the exponential-race noise the sampler draws: the token its torch
-    path gives (the top-p cut may differ only where a cumulative probability lies within a few
-    ulps of top_p). kernels.argmax.ArgmaxKernel is one."""
+    else) in one call, from the uniforms the sampler draws (the same generators, V values a
+    row), the noise computed for the kept tokens only: the token its torch path gives, but
+    where two kept tokens' noisy scores, or a cumulative probability and top_p, lie within a
+    few ulps (libm's and SLEEF's roundings). kernels.argmax.ArgmaxKernel is one."""
 
     def supports(self, x: torch.Tensor) -> bool: ...
 
     def race(self, x: torch.Tensor, banned: list[torch.Tensor], seen: list[torch.Tensor],
              penalties: list[float], temperatures: list[float], top_k: list[int],
-             top_p: list[float], log_e: torch.Tensor) -> torch.Tensor: ...
+             top_p: list[float], u: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -204,12 +205,11 @@ class Sampler:
         return self.greedy.greedy(x, *_bans_and_penalties(batch))
 
     def _race(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Sampled top_k rows in one TopKRace call, with the noise _sample would draw (the same
-        generators, V values a row)."""
+        """Sampled top_k rows in one TopKRace call, over the uniforms _sample would draw."""
         params = batch.params
-        log_e = self._log_exponential(x.shape[0], x.shape[1], batch.generators, x.device)
+        u = self._uniforms(x.shape[0], x.shape[1], batch.generators, x.device)
         return self.race.race(x, *_bans_and_penalties(batch), [p.temperature for p in params],
-                              [p.top_k for p in params], [p.top_p for p in params], log_e)
+                              [p.top_k for p in params], [p.top_p for p in params], u)
 
     def _choose(self, x: torch.Tensor, batch: SamplingBatch, plan: _Plan) -> torch.Tensor:
         """x: (B, V) float32 processed logits -> (B,) int64 ids (argmax for greedy rows)."""
@@ -252,30 +252,49 @@ class Sampler:
 
     def _log_exponential(self, R: int, V: int, gens: list[torch.Generator | None],
                          device: torch.device) -> torch.Tensor:
-        """(R, V) log E with E ~ Exp(1) i.i.d. A seeded row draws V uniforms from its own
-        generator only and transforms them on its own (V,) tensor, so its noise is bit-identical
-        whatever the batch (SIMD body/scalar tail splits depend on the tensor's size)."""
-        seeded = [i for i, g in enumerate(gens) if g is not None]
+        """(R, V) log E with E ~ Exp(1) i.i.d., from _uniforms: a seeded row transformed on its
+        own (V,) row, so its noise is bit-identical whatever the batch (SIMD body/scalar tail
+        splits depend on the length transformed); unseeded rows together."""
+        u = self._uniforms(R, V, gens, device)
+        free = [i for i, g in enumerate(gens) if g is None]
+        if len(free) == R:
+            return _log_exp_noise(u)
+        if free:
+            at = torch.tensor(free, dtype=torch.long, device=device)
+            u[at] = _log_exp_noise(u[at])
+        for i, g in enumerate(gens):
+            if g is not None:
+                _log_exp_noise(u[i])
+        return u
+
+    def _uniforms(self, R: int, V: int, gens: list[torch.Generator | None],
+                  device: torch.device) -> torch.Tensor:
+        """(R, V) U[0, 1): a seeded row's V values from its own generator only (exactly V a
+        step, so its draws do not depend on the batch); the unseeded rows' in one draw from the
+        Sampler's generator."""
         default = self.default_generator(device)
-        if not seeded:
-            return _log_exp_noise(torch.empty(R, V, device=device).uniform_(generator=default))
-        log_e = torch.empty(R, V, dtype=torch.float32, device=device)
+        if all(g is None for g in gens):
+            return torch.empty(R, V, device=device).uniform_(generator=default)
+        u = torch.empty(R, V, dtype=torch.float32, device=device)
         free = [i for i, g in enumerate(gens) if g is None]
         if free:
-            u = torch.empty(len(free), V, device=device).uniform_(generator=default)
-            log_e[torch.tensor(free, dtype=torch.long, device=device)] = _log_exp_noise(u)
-        for i in seeded:  # per-row loop only for the draw itself
-            log_e[i] = _log_exp_noise(torch.empty(V, device=device).uniform_(generator=gens[i]))
-        return log_e
+            u[torch.tensor(free, dtype=torch.long, device=device)] = torch.empty(
+                len(free), V, device=device).uniform_(generator=default)
+        for i, g in enumerate(gens):     # per-row loop only for the draw itself
+            if g is not None:
+                u[i].uniform_(generator=g)
+        return u
 
 
 def _bans_and_penalties(batch: SamplingBatch) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
     """Per row: banned ids, seen ids (prompt and output; none where the row's repetition
     penalty is 1.0: nothing seen is read) as 1-D int64 tensors, and the repetition penalty."""
     penalties = [p.repetition_penalty for p in batch.params]
-    seen = [torch.from_numpy(np.fromiter(itertools.chain(prompt, out) if r != 1.0 else (), dtype=np.int64))
+    none = torch.empty(0, dtype=torch.int64)      # rows with nothing to read share it
+    seen = [torch.from_numpy(np.fromiter(itertools.chain(prompt, out), dtype=np.int64)) if r != 1.0 else none
             for r, prompt, out in zip(penalties, batch.prompt_token_ids, batch.output_token_ids)]
-    banned = [torch.as_tensor(b, dtype=torch.int64).contiguous() for b in batch.banned_token_ids]
+    banned = [torch.as_tensor(b, dtype=torch.int64).contiguous() if len(b) else none
+              for b in batch.banned_token_ids]
     return banned, seen, penalties
 
 
