@@ -15,7 +15,9 @@ per round: a 50 Hz talker then makes ~10-25 codes a second per stream while its 
 need 50, and the vocoder ends up waiting for codes it starved. So while a stage is
 `starving` (waiting for input), the stages with an edge into it get extra passes, until each
 has spent as long as the round's longest pass or has nothing to do. They run at the start of
-the next step, so that the round's outputs (a first audio chunk) reach the caller first.
+the next step, so that the round's outputs (a first audio chunk) reach the caller first. A
+stage so fed that is starving itself (a talker whose requests wait for the thinker's next
+reply vector) has its own producers fed too, upstream first in each pass.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class StageGraph:
         # stage -> the stages with an edge into it, upstream first (see step)
         self._producers = {name: [e.src for e in router.edges if e.dst == name and e.src in self.stages]
                            for name in self.stages}
+        self._sinks = {name for name in self.stages           # stages whose outputs leave the graph
+                       if not any(e.src == name and e.dst in self.stages for e in router.edges)}
         self.num_aborted_requests = 0
         self.last_batch = {name: 0 for name in self.stages}   # requests in each stage's last step
 
@@ -136,14 +140,25 @@ class StageGraph:
         its time in the round `spent` (updated) is below that round's longest pass."""
         budget = max(spent.values())
         for _ in range(MAX_FEED_PASSES):
-            wanted = {p for name, stage in self.stages.items() if stage.starving()
-                      for p in self._producers[name]}
-            feed = [p for p in self.stages if p in wanted and spent.get(p, 0.0) < budget
-                    and self.stages[p].has_work()]
-            if not feed:
+            wanted, fed = self._wanted(), False
+            for name, stage in self.stages.items():     # upstream first: a pass feeds the next
+                if name in wanted and spent.get(name, 0.0) < budget and stage.has_work():
+                    spent[name] = spent.get(name, 0.0) + self._step_stage(stage, deltas)
+                    fed = True
+            if not fed:
                 return
-            for name in feed:
-                spent[name] = spent.get(name, 0.0) + self._step_stage(self.stages[name], deltas)
+
+    def _wanted(self) -> set[str]:
+        """The producers of starving stages, downstream first: a starving sink (the vocoder
+        short of codes) pulls its producers, and a pulled stage that is starving itself (a
+        talker whose requests wait for the thinker's next reply vector) pulls its own: the
+        talker's extra passes alone advance only the requests the thinker is done with (eight
+        Realtime sessions: newcomers gathering first codes got one talker step per round)."""
+        wanted: set[str] = set()
+        for name in reversed(self.stages):
+            if (name in self._sinks or name in wanted) and self.stages[name].starving():
+                wanted.update(self._producers[name])
+        return wanted
 
     def _wait_remote(self, timeout: float) -> None:
         from omnistage.runtime.channel import wait_any

@@ -191,3 +191,76 @@ def test_feeding_is_bounded_and_the_request_completes():
         g.step()
     assert not g.has_unfinished_requests()
     assert producer.passes == 2 * need
+
+
+class Relay(Stage):
+    """Between producer and consumer (a talker between thinker and vocoder): one item out per
+    item in, one per pass per request (1 ms a pass); starving while a request waits for input."""
+
+    def __init__(self, clock: Clock):
+        self.name, self.dead, self.clock = "relay", None, clock
+        self.inbox: dict[str, list[Item]] = {}
+        self.passes = 0
+
+    def add(self, item: Item) -> None:
+        self.inbox.setdefault(item.request_id, []).append(item)
+
+    def step(self) -> list[StageOutput]:
+        self.passes += 1
+        self.clock.now += 0.001
+        out = []
+        for rid, items in list(self.inbox.items()):
+            if items:
+                item = items.pop(0)
+                out.append(StageOutput(self.name, rid, item, final=item.last))
+                if item.last:
+                    del self.inbox[rid]
+        return out
+
+    def starving(self) -> bool:
+        return any(not items for items in self.inbox.values())
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(self.inbox.values())
+
+    def num_requests(self) -> int:
+        return len(self.inbox)
+
+    def close(self) -> None:
+        pass
+
+
+class ChainRouter(Router):
+    def __init__(self):
+        super().__init__()
+        self.edges = [Edge("producer", "relay"), Edge("relay", "consumer"), Edge("consumer", CLIENT)]
+
+    def route(self, out: StageOutput) -> list[tuple[str, object]]:
+        if out.stage == "producer":
+            return [("relay", out.payload)]
+        if out.stage == "relay":
+            return [("consumer", out.payload)]
+        return super().route(out)
+
+
+def test_a_pulled_stage_that_starves_pulls_its_own_producer():
+    """producer -> relay -> consumer: while the consumer starves, the relay's extra passes
+    need the producer's (each relay item waits for one from the producer), so both get them,
+    the producer's first in each feeding pass; a starving relay whose consumer does not
+    starve pulls nothing (the relay's own extra passes alone would have nothing to do)."""
+    for starves in (True, False):
+        clock = Clock()
+        producer, relay = Producer(clock, 1000), Relay(clock)
+        consumer = Consumer(clock, need=10, starves=starves)
+        g = StageGraph([producer, relay, consumer], ChainRouter(), clock=clock)
+        g.add_request("a", "a")
+        steps(g, 10)         # the consumer's first pass (50 ms) in round 10 takes 10 items
+        assert producer.passes == relay.passes == 10 and relay.starving()
+        g.step()
+        if starves:          # fed in pairs until the consumer has its 10, then the round
+            assert producer.passes == relay.passes == 10 + 10 + 1
+        else:
+            assert producer.passes == relay.passes == 11

@@ -118,6 +118,11 @@ class LLMEngine:
         """Whether step() would compute anything now (fed sequences may wait for input)."""
         return self.scheduler.has_ready_work()
 
+    def has_lagging_feed(self) -> bool:
+        """Whether a running request waits for its embed feed's next input (a talker's reply
+        vector from the thinker)."""
+        return self.scheduler.has_lagging_feed()
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[Delta]:
         plan = self.scheduler.schedule()

@@ -61,6 +61,10 @@ class Scheduler:
         its producer sit out until it catches up)."""
         return any(s.ready for s in self.running) or bool(self.waiting and self.waiting[0].ready)
 
+    def has_lagging_feed(self) -> bool:
+        """Whether a running sequence sits out for its embed feed's next input."""
+        return any(not s.ready for s in self.running)
+
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
         budget = self.max_num_batched_tokens

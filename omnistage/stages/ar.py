@@ -142,6 +142,12 @@ class ARStage(Stage):
     def has_work(self) -> bool:
         return self.engine.has_ready_work()
 
+    def starving(self) -> bool:
+        """A running request waits for its embed feed (a talker's next reply vector): the
+        stage feeding it would advance it. StageGraph gives that stage extra passes only while
+        this one's own consumer is starving (the vocoder short of codes)."""
+        return self.engine.has_lagging_feed()
+
     def num_requests(self) -> int:
         return len(self.engine.requests)
 
