@@ -151,9 +151,9 @@ class StageGraph:
     def _wanted(self) -> set[str]:
         """The producers of starving stages, downstream first: a starving sink (the vocoder
         short of codes) pulls its producers, and a pulled stage that is starving itself (a
-        talker whose requests wait for the thinker's next reply vector) pulls its own: the
-        talker's extra passes alone advance only the requests the thinker is done with (eight
-        Realtime sessions: newcomers gathering first codes got one talker step per round)."""
+        talker whose requests wait for the thinker's next reply vector) pulls its own (the
+        talker's extra passes alone would advance only the requests the thinker is done with).
+        A starving stage that nothing pulls pulls nothing."""
         wanted: set[str] = set()
         for name in reversed(self.stages):
             if (name in self._sinks or name in wanted) and self.stages[name].starving():

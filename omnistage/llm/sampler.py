@@ -156,8 +156,8 @@ class Sampler:
     talker's every step) go through it in one call (the same tokens; a talker's row ~0.3 ->
     ~0.05 ms).
     race: where given, batches whose rows all sample with a top_k (a talker's sampled steps)
-    go through it in one call after the noise is drawn (see TopKRace; six talker rows of 8448
-    codes ~1.1 -> ~0.3 ms a step).
+    go through it in one call after the uniforms are drawn (see TopKRace; six talker rows of
+    8448 codes ~1.1 -> ~0.5 ms a step, most of it the draws).
     """
 
     def __init__(self, seed: int = 0, *, sort_head: int = SORT_HEAD, argmax: RowArgmax = torch_argmax,

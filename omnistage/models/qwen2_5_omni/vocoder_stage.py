@@ -396,11 +396,12 @@ class VocoderStage(Stage):
         short = [rid for rid, s in self._streams.items() if s.short_of_codes(ends.get(rid))]
         if not short:
             return False
-        urgent = not self._behind(now)
+        keeping_up = not self._behind(now)
         if any(s.num_chunks == 0 and s.ready() for s in self._streams.values()):
-            return urgent and self._about_to_run_dry([r for r in short if self._streams[r].num_chunks > 0], now)
+            listening = [rid for rid in short if self._streams[rid].num_chunks > 0]
+            return keeping_up and self._about_to_run_dry(listening, now)
         gathering = any(s.num_chunks == 0 for s in self._streams.values())
-        return not (urgent and not gathering and self._about_to_run_dry(self._waiting_later(), now))
+        return not (keeping_up and not gathering and self._about_to_run_dry(self._waiting_later(), now))
 
     def wake_after(self) -> float | None:
         """Seconds until held later chunks may run without new input (None: not holding): the
