@@ -7,6 +7,7 @@ the target distribution computed here from the definitions, in plain Python.
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -397,31 +398,42 @@ def test_batch_rows_must_match():
         Sampler()(torch.zeros(2, 5), make_batch([SamplingParams()]))
 
 
-def test_native_greedy_chooser_gives_the_torch_paths_tokens():
+@pytest.fixture
+def argmax_kernel():
+    from omnistage.kernels.argmax import ArgmaxKernel
+    from omnistage.kernels.build import NativeBuildError
+
+    try:
+        return ArgmaxKernel()
+    except NativeBuildError as e:
+        pytest.skip(f"the argmax kernel does not build here: {e}")
+
+
+class Counting:
+    """The native kernel's greedy and race calls, counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def supports(self, x):
+        return self.kernel.supports(x)
+
+    def greedy(self, *args):
+        self.calls += 1
+        return self.kernel.greedy(*args)
+
+    def race(self, *args):
+        self.calls += 1
+        return self.kernel.race(*args)
+
+
+def test_native_greedy_chooser_gives_the_torch_paths_tokens(argmax_kernel):
     """Greedy rows with bans and repetition penalties through one native call
     (ArgmaxKernel.greedy) choose what the torch path (mask, penalties, argmax) chooses: seen
     ids made the favourites (the penalty decides), repeated ids (penalised once), ids outside
     [0, V), bans as tensors and lists, a banned seen id, a NaN row, an all -inf row but one,
     signed zeros, bf16-free float32 rows; presence / frequency penalties and logprobs go the
     torch way (the chooser is not called)."""
-    from omnistage.kernels.argmax import ArgmaxKernel
-    from omnistage.kernels.build import NativeBuildError
-
-    try:
-        kernel = ArgmaxKernel()
-    except NativeBuildError as e:
-        pytest.skip(f"the argmax kernel does not build here: {e}")
-
-    class Counting:
-        calls = 0
-
-        def supports(self, x):
-            return kernel.supports(x)
-
-        def greedy(self, *args):
-            Counting.calls += 1
-            return kernel.greedy(*args)
-
     V, B = 300, 9
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(B, V, generator=g) * 3
@@ -440,7 +452,8 @@ def test_native_greedy_chooser_gives_the_torch_paths_tokens():
     params = [SamplingParams(temperature=0.0, repetition_penalty=r) for r in reps]
     batch = make_batch(params, prompts=prompts, outputs=outputs, banned=banned)
     want = Sampler()(logits, batch).token_ids
-    chooser = Counting()
+    kernel = argmax_kernel
+    chooser = Counting(kernel)
     got = Sampler(argmax=kernel, greedy=chooser)(logits, batch).token_ids
     assert chooser.calls == 1 and torch.equal(got, want)
     assert want.tolist() != logits.nan_to_num(nan=-1e9).argmax(-1).tolist()   # the penalties decide
@@ -452,34 +465,15 @@ def test_native_greedy_chooser_gives_the_torch_paths_tokens():
     assert chooser.calls == 1
 
 
-def test_native_top_k_race_gives_the_torch_paths_tokens():
+def test_native_top_k_race_gives_the_torch_paths_tokens(argmax_kernel):
     """Rows that all sample with a top_k (a talker's step) go through one native call
     (ArgmaxKernel.race) after the same noise draws, and choose what the torch path chooses:
     random batches of 1-8 rows over 7-8448 ids with top_k from 1 to 200, top_p from 0.01 to
     1, temperatures, repetition penalties (ids outside [0, V) too), bans, seeded and unseeded
     rows, values tied across the top-k cut, rows with fewer finite values than top_k, and
     seeded rows step after step. Batches it does not take go the torch way."""
-    import random
-
-    from omnistage.kernels.argmax import ArgmaxKernel
-    from omnistage.kernels.build import NativeBuildError
-
-    try:
-        kernel = ArgmaxKernel()
-    except NativeBuildError as e:
-        pytest.skip(f"the argmax kernel does not build here: {e}")
-
-    class Counting:
-        calls = 0
-
-        def supports(self, x):
-            return kernel.supports(x)
-
-        def race(self, *args):
-            Counting.calls += 1
-            return kernel.race(*args)
-
-    rng, chooser, rows = random.Random(3), Counting(), 0
+    kernel = argmax_kernel
+    rng, chooser, rows = random.Random(3), Counting(kernel), 0
     for trial in range(150):
         V, B = rng.choice([7, 64, 1000, 8448]), rng.randint(1, 8)
         g = torch.Generator().manual_seed(trial)
