@@ -134,15 +134,18 @@ class _Plan:
     def greedy_with_repetition(self, params: list[SamplingParams]) -> bool:
         """Every row greedy, no logprobs, and no penalty but the repetition penalty."""
         return (not self.sample_rows and self.logprobs_k is None
-                and all(params[i].presence_penalty == 0.0 and params[i].frequency_penalty == 0.0
-                        for i in self.penalty_rows))
+                and all(_repetition_only(params[i]) for i in self.penalty_rows))
 
     def top_k_race(self, params: list[SamplingParams], vocab: int) -> bool:
         """Every row sampled with a top_k (a small candidate set: a talker's step), no min_p,
         no logprobs, and no penalty but the repetition penalty."""
         return (len(self.sample_rows) == len(params) and self.logprobs_k is None
-                and all(0 < p.top_k < vocab and p.min_p == 0.0 and p.presence_penalty == 0.0
-                        and p.frequency_penalty == 0.0 for p in params))
+                and all(0 < p.top_k < vocab and p.min_p == 0.0 and _repetition_only(p) for p in params))
+
+
+def _repetition_only(p: SamplingParams) -> bool:
+    """No penalty but HF's repetition penalty (what the native choosers apply)."""
+    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
 
 
 class Sampler:
