@@ -44,6 +44,19 @@ from omnistage.stages.hold import Hold
 from omnistage.stages.playback import PlaybackClock
 
 
+# What a later-chunk solve's pace in service is to its pace alone: in service the graph steps
+# the other stages (the thinker, the talker) between a solve's intervals, and the pace the
+# stage measures (_frame_s, start to finish) counts them; the warm-up's solve runs alone. Until
+# a solve in service measures it, the warm-up's pace times this stands in. Eight Realtime
+# sessions on 2 cores (small checkpoint, the live flags) measured 1.3-2.4 ms a window frame in
+# service against 0.78 alone; taken alone, eight sessions committing together looked as if
+# the stage kept up (8 streams x 0.105 s per second of speech < 1): their first chunks took the
+# busy config's 72 codes, one solve each, and the listeners with audio went before the
+# others' first chunks (first audio p50 2.1-2.3 s for 15 s utterances; counted so, 1.7 s). Four
+# sessions still keep up (4 x 0.21 < 1).
+SERVICE_SHARE = 2.0
+
+
 @dataclass
 class VocoderSettings:
     steps: int = 10                      # ODE steps (RK4) per chunk
@@ -202,10 +215,10 @@ class VocoderStage(Stage):
         Skipped when a first chunk's window is longer than `first_audio_frames` mel frames
         (chunking too coarse to stream, e.g. one window per utterance): its shapes follow each
         utterance, and the warm-up would decode thousands of frames for nothing. True when it
-        decoded. The second chunks' solve gives the first pace (`_frame_s`, without the other
-        stages' steps that service adds): four Realtime sessions of 15 s committing together
-        had their second chunks solved in one batch (no pace measured yet), and every listener
-        ran dry 0.05-0.37 s."""
+        decoded. The second chunks' solve gives the first pace (`_frame_s`: its time alone,
+        times SERVICE_SHARE for the other stages' steps that service adds): four Realtime
+        sessions of 15 s committing together had their second chunks solved in one batch (no
+        pace measured yet), and every listener ran dry 0.05-0.37 s."""
         cfg = self.stream_config
         first_window = (cfg.chunk(0) + cfg.look_ahead) * self.model.config.dit_config.repeats
         if first_window > self.settings.first_audio_frames:
@@ -222,7 +235,7 @@ class VocoderStage(Stage):
                     frames, start = sum(s.window_frames() for s in streams), self.clock()
                     step_streams(streams)
                     if k == 1:       # a later chunk's pace, until solves in service measure it
-                        self._frame_s = (self.clock() - start) / frames
+                        self._frame_s = SERVICE_SHARE * (self.clock() - start) / frames
                 for stream in streams:
                     stream.close()
         return True

@@ -14,8 +14,8 @@ from transformers import Qwen2_5OmniToken2WavConfig
 
 from omnistage.models.qwen2_5_omni.messages import CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
-from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig
-from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings, VocoderStage
+from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig, step_streams
+from omnistage.models.qwen2_5_omni.vocoder_stage import SERVICE_SHARE, VocoderSettings, VocoderStage
 
 MEL, CODES = 16, 64
 
@@ -259,6 +259,40 @@ def test_the_talker_is_fed_for_a_near_dry_listener_and_not_against_it(model):
     assert fed.starving()                                # for a's codes
     fed._frame_s = 1.0 / fed._frames_per_speech_s        # behind: newcomers first
     assert not fed.starving()
+
+
+def ticking(step: float):
+    """A clock that moves `step` seconds at every reading."""
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += step
+        return t[0]
+    return clock
+
+
+def test_the_warm_up_pace_counts_the_other_stages_steps(model):
+    """Until a solve in service measures the pace, the warm-up's solve (alone) stands in,
+    times SERVICE_SHARE for the other stages' steps between a solve's intervals in service:
+    three streams that a solve alone would keep up with (3 x 0.3 s per second of speech) are
+    behind, so their first chunks are the plain ones (newcomers first), not the busy ones."""
+    probe = make_stage(model, first_chunk_busy=32)
+    cfg = probe.busy_stream_config          # the warm-up's last solve: two such streams' second chunks
+    streams = [probe._stream("v", torch.Generator().manual_seed(i), cfg) for i in range(2)]
+    for stream in streams:
+        stream.feed([0] * (cfg.chunk(0) + cfg.look_ahead))
+    step_streams(streams)
+    for stream in streams:
+        stream.feed([0] * cfg.chunk(1))
+    frames = sum(stream.window_frames() for stream in streams)
+    alone = 0.3 / probe._frames_per_speech_s      # seconds a window frame: 0.3 s per second of speech
+    stage = make_stage(model, clock=ticking(alone * frames), first_chunk_busy=32)
+    assert stage.warm_up()
+    assert stage._frame_s == pytest.approx(SERVICE_SHARE * alone)
+    for i, rid in enumerate("abc"):
+        send(stage, rid, codes(10, i))
+    stage.has_work()
+    assert [s.next_chunk() for s in stage._streams.values()] == [16, 16, 16]
 
 
 def test_a_first_chunk_planned_beside_others_is_the_busy_one(model):
