@@ -17,7 +17,8 @@ need 50, and the vocoder ends up waiting for codes it starved. So while a stage 
 has spent as long as the round's longest pass or has nothing to do. They run at the start of
 the next step, so that the round's outputs (a first audio chunk) reach the caller first. A
 stage so fed that is starving itself (a talker whose requests wait for the thinker's next
-reply vector) has its own producers fed too, upstream first in each pass.
+reply vector) has its own producers fed too, upstream first in each pass, for as long as it
+is fed itself.
 """
 
 from __future__ import annotations
@@ -140,25 +141,37 @@ class StageGraph:
         its time in the round `spent` (updated) is below that round's longest pass."""
         budget = max(spent.values())
         for _ in range(MAX_FEED_PASSES):
-            wanted, fed = self._wanted(), False
+            pulls, fed = self._pulls(), False
             for name, stage in self.stages.items():     # upstream first: a pass feeds the next
-                if name in wanted and spent.get(name, 0.0) < budget and stage.has_work():
+                if name in pulls and self._within(name, pulls[name], spent, budget) and stage.has_work():
                     spent[name] = spent.get(name, 0.0) + self._step_stage(stage, deltas)
                     fed = True
             if not fed:
                 return
 
-    def _wanted(self) -> set[str]:
-        """The producers of starving stages, downstream first: a starving sink (the vocoder
-        short of codes) pulls its producers, and a pulled stage that is starving itself (a
-        talker whose requests wait for the thinker's next reply vector) pulls its own (the
-        talker's extra passes alone would advance only the requests the thinker is done with).
-        A starving stage that nothing pulls pulls nothing."""
-        wanted: set[str] = set()
+    def _pulls(self) -> dict[str, set[str]]:
+        """The producers of starving stages, each with the stages that pull it, found
+        downstream first: a starving sink (the vocoder short of codes) pulls its producers, and
+        a pulled stage that is starving itself (a talker whose requests wait for the thinker's
+        next reply vector) pulls its own (the talker's extra passes alone would advance only
+        the requests the thinker is done with). A starving stage that nothing pulls pulls
+        nothing."""
+        pulls: dict[str, set[str]] = {}
         for name in reversed(self.stages):
-            if (name in self._sinks or name in wanted) and self.stages[name].starving():
-                wanted.update(self._producers[name])
-        return wanted
+            if (name in self._sinks or name in pulls) and self.stages[name].starving():
+                for producer in self._producers[name]:
+                    pulls.setdefault(producer, set()).add(name)
+        return pulls
+
+    def _within(self, name: str, pullers: set[str], spent: dict[str, float], budget: float) -> bool:
+        """Whether `name` may take another extra pass: its time in the round is below the
+        round's longest pass, or a fed stage that pulls it still is (its passes wait on this
+        one's: capped apart, the thinker at ~5 ms a pass stopped after ~25 while the talker
+        went on alone for the requests the thinker was done with, and the ones waiting on the
+        thinker, newcomers before their first audio, waited. Eight Realtime sessions of 6 s on
+        2 cores: first audio p50 lower in 8 of 9 A B pairs, median 1.23 -> 1.09 s)."""
+        return spent.get(name, 0.0) < budget or any(
+            spent.get(p, 0.0) < budget for p in pullers if p not in self._sinks)
 
     def _wait_remote(self, timeout: float) -> None:
         from omnistage.runtime.channel import wait_any

@@ -74,6 +74,7 @@ class Consumer(Stage):
         self.name, self.dead, self.clock = "consumer", None, clock
         self.need, self.cost_s, self.starves = need, cost_s, starves
         self.held: dict[str, list[Item]] = {}
+        self.passes = 0
 
     def add(self, item: Item) -> None:
         self.held.setdefault(item.request_id, []).append(item)
@@ -82,6 +83,7 @@ class Consumer(Stage):
         return len(items) >= self.need or (bool(items) and items[-1].last)
 
     def step(self) -> list[StageOutput]:
+        self.passes += 1
         self.clock.now += self.cost_s
         out = []
         for rid, items in list(self.held.items()):
@@ -264,3 +266,22 @@ def test_a_pulled_stage_that_starves_pulls_its_own_producer():
             assert producer.passes == relay.passes == 10 + 10 + 1
         else:
             assert producer.passes == relay.passes == 11
+
+
+def test_a_pulled_stage_keeps_pace_with_its_puller_past_its_own_budget():
+    """producer (10 ms a pass) -> relay (1 ms) -> consumer (50 ms, 10 items a pass): the
+    producer's extra passes go on while the relay that pulls it is within the round's longest
+    pass, not only while its own time is (each relay item waits for one from the producer; cut
+    at the producer's own time, the relay stalled after one pass and the consumer waited 9
+    rounds for its first 10 items, then got 5 a round). So every round after the first feeds
+    the consumer the 10 items of its next pass."""
+    clock = Clock()
+    producer, relay = Producer(clock, 1000, cost_s=0.01), Relay(clock)
+    consumer = Consumer(clock, need=10)
+    g = StageGraph([producer, relay, consumer], ChainRouter(), clock=clock)
+    g.add_request("a", "a")
+    g.step()
+    for _ in range(3):
+        before = producer.passes, relay.passes, consumer.passes
+        g.step()
+        assert (producer.passes - before[0], relay.passes - before[1], consumer.passes - before[2]) == (10, 10, 1)
