@@ -285,3 +285,91 @@ def test_a_pulled_stage_keeps_pace_with_its_puller_past_its_own_budget():
         before = producer.passes, relay.passes, consumer.passes
         g.step()
         assert (producer.passes - before[0], relay.passes - before[1], consumer.passes - before[2]) == (10, 10, 1)
+
+
+class Head(Stage):
+    """An encoder: a new request's one item goes on after one pass of `cost_s` (20 ms)."""
+
+    def __init__(self, clock: Clock, log: list[str], cost_s: float = 0.02):
+        self.name, self.dead, self.clock, self.log, self.cost_s = "head", None, clock, log, cost_s
+        self.held: list[str] = []
+
+    def add(self, request_id: str) -> None:
+        self.held.append(request_id)
+
+    def step(self) -> list[StageOutput]:
+        self.log.append(self.name)
+        self.clock.now += self.cost_s
+        out, self.held = [StageOutput(self.name, rid, Item(rid, False), final=False) for rid in self.held], []
+        return out
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.held:
+            self.held.remove(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.held)
+
+    def num_requests(self) -> int:
+        return len(self.held)
+
+    def close(self) -> None:
+        pass
+
+
+class Decoder(Relay):
+    """A thinker: one item a pass for every request it has begun (5 ms a pass), never
+    starving (its requests wait for nothing once begun)."""
+
+    def __init__(self, clock: Clock, log: list[str]):
+        super().__init__(clock)
+        self.name, self.log = "decoder", log
+
+    def step(self) -> list[StageOutput]:
+        self.log.append(self.name)
+        self.passes += 1
+        self.clock.now += 0.005
+        return [StageOutput(self.name, rid, Item(rid, False), final=False) for rid in self.inbox]
+
+    def starving(self) -> bool:
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.inbox)
+
+
+class HeadRouter(Router):
+    def __init__(self):
+        super().__init__()
+        self.edges = [Edge("head", "decoder"), Edge("decoder", "consumer"), Edge("consumer", CLIENT)]
+
+    def start(self, request_id: str) -> list[tuple[str, object]]:
+        self.live.add(request_id)
+        return [("head", request_id)]
+
+    def route(self, out: StageOutput) -> list[tuple[str, object]]:
+        if out.stage in ("head", "decoder"):
+            return [({"head": "decoder", "decoder": "consumer"}[out.stage], out.payload)]
+        return super().route(out)
+
+
+def test_a_newcomer_at_the_head_goes_first_in_the_feeding_passes():
+    """head (an encoder, 20 ms) -> decoder (a thinker, 5 ms, not starving) -> consumer (a
+    vocoder, 50 ms a pass of 10 items): while the consumer starves for request a, the decoder
+    it pulls takes extra passes; a request b that arrives at the head then is passed on at the
+    start of those passes, not after them (the head has work of its own, and the decoder's
+    passes would carry b too), so b's items reach the consumer with a's. Cut off from the
+    extra passes, b waited for the round after them: eight Realtime sessions of 15 s
+    committing together, seven waited ~0.17 s while the thinker and talker fed the eighth."""
+    clock, log = Clock(), []
+    head, decoder = Head(clock, log), Decoder(clock, log)
+    consumer = Consumer(clock, need=10)
+    g = StageGraph([head, decoder, consumer], HeadRouter(), clock=clock)
+    g.add_request("a", "a")
+    steps(g, 8)              # fed: every round now brings the consumer a's next 10 items
+    passes = consumer.passes
+    g.add_request("b", "b")
+    del log[:]
+    g.step()
+    assert log[:2] == ["head", "decoder"] and log.count("decoder") == 10, log
+    assert consumer.passes == passes + 1 and consumer.held == {"a": [], "b": []}
