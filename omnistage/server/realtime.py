@@ -51,9 +51,6 @@ from omnistage.server.vad import InputAudioBuffer, SileroLoader, VadEvent
 log = logging.getLogger(__name__)
 
 
-WARM_SETTLE_S = 5.0     # a response waits at most this long for the turn's warm-up in flight
-
-
 def add_realtime_route(app: FastAPI, engine, model_name: str, api_key: str | None,
                        max_queued_requests: int, streamed_input: bool = True) -> None:
     silero = SileroLoader()         # one speech detector model for the server's sessions
@@ -458,8 +455,8 @@ class RealtimeSession:
         try:
             await self.send({"type": "response.created",
                              "response": response_json(r.id, "in_progress", r.cfg, [], metadata=r.metadata)})
-            if self.warmer is not None:
-                await self.warmer.settle(WARM_SETTLE_S)
+            if self.warmer is not None:     # the response does what it had left (realtime_warm)
+                await self.warmer.stop()
             deltas = self.engine.generate(messages, params, request_id=f"realtime-{r.id}",
                                           output=opts)
             try:
