@@ -56,6 +56,15 @@ from omnistage.stages.playback import PlaybackClock
 # sessions still keep up (4 x 0.21 < 1).
 SERVICE_SHARE = 2.0
 
+# How far behind its streams (their need at the measured pace, in wall clocks) the stage may be
+# and still give newcomers beside others first_chunk_busy's longer first chunk. A little behind,
+# its extra speech carries the listener through an answer: four Realtime sessions of 2 s turns
+# on 2 cores (small checkpoint, the live flags) were 1.0x behind at the warm-up's pace and 1.1x
+# at the pace service measured; called behind at 1.0, their first chunks were the plain 48
+# codes and every listener ran dry (3.4-4.1 s of gaps in all, in each of 6 runs), with the busy
+# 72 none did. Eight sessions (2x and more) still take the plain ones.
+BUSY_MARGIN = 1.5
+
 
 @dataclass
 class VocoderSettings:
@@ -171,28 +180,27 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        return self._stream(speaker, noise, self._first_config(others=bool(self._streams),
-                                                                 behind=self._behind(self.clock())))
+        return self._stream(speaker, noise, self._first_config(bool(self._streams), self.clock()))
 
-    def _first_config(self, others: bool, behind: bool) -> StreamConfig:
+    def _first_config(self, others: bool, now: float) -> StreamConfig:
         """The chunking of a stream whose first chunk is still to come: first_chunk_busy's
-        while other streams are in the stage and it keeps up with them (the longer first chunk
-        is for a listener who must wait out the others' chunks; when the stage is behind, gaps
-        come anyway and the shorter first chunk brings first audio sooner), else the
-        stage's."""
-        busy = self.busy_stream_config is not None and others and not behind
+        while other streams are in the stage and it is not behind them by BUSY_MARGIN (the
+        longer first chunk is for a listener who must wait out the others' chunks; when the
+        stage is further behind, gaps come anyway and the shorter first chunk brings first
+        audio sooner), else the stage's."""
+        busy = self.busy_stream_config is not None and others and not self._behind(now, BUSY_MARGIN)
         return self.busy_stream_config if busy else self.stream_config
 
-    def _behind(self, now: float) -> bool:
+    def _behind(self, now: float, margin: float = 1.0) -> bool:
         """The stage cannot keep every listener fed: one has run dry, or at the measured
-        pace its streams need more than the wall clock (streams x wall seconds per second of
-        speech >= 1, a second of speech costing the window frames of the largest chunks: the
-        early, smaller chunks recompute more look-back per second of speech, and counting them
-        called four Realtime sessions on 2 cores behind, where they keep up)."""
+        pace its streams need `margin` times the wall clock or more (streams x wall seconds per
+        second of speech, a second of speech costing the window frames of the largest chunks:
+        the early, smaller chunks recompute more look-back per second of speech, and counting
+        them called four Realtime sessions on 2 cores behind, where they keep up)."""
         if self._a_listener_ran_dry(now):
             return True
         pace = self._frame_s is not None and self._frame_s * self._frames_per_speech_s
-        return bool(pace) and len(self._streams) * pace >= 1.0
+        return bool(pace) and len(self._streams) * pace >= margin
 
     def _a_listener_ran_dry(self, now: float) -> bool:
         return any(p.ran_dry(now) for p in self._playback.values())
@@ -264,7 +272,7 @@ class VocoderStage(Stage):
                 # decided as the first chunk is planned, not when the stream opened: a stream
                 # that opened alone and is joined by others before its first chunk plays that
                 # chunk while the stage serves them all
-                s.rechunk(self._first_config(others=len(self._streams) > 1, behind=behind))
+                s.rechunk(self._first_config(len(self._streams) > 1, now))
             if s.ready():
                 (first if s.num_chunks == 0 else later).append(rid)
             elif s.has_work() or s.finishing:         # a tail to flush, or an empty end

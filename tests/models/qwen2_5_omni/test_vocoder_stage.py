@@ -15,7 +15,7 @@ from transformers import Qwen2_5OmniToken2WavConfig
 from omnistage.models.qwen2_5_omni.messages import CodecChunk
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig, step_streams
-from omnistage.models.qwen2_5_omni.vocoder_stage import SERVICE_SHARE, VocoderSettings, VocoderStage
+from omnistage.models.qwen2_5_omni.vocoder_stage import BUSY_MARGIN, SERVICE_SHARE, VocoderSettings, VocoderStage
 
 MEL, CODES = 16, 64
 
@@ -271,11 +271,15 @@ def ticking(step: float):
     return clock
 
 
-def test_the_warm_up_pace_counts_the_other_stages_steps(model):
+@pytest.mark.parametrize("alone_s, first", [(0.3, 16), (0.2, 32)])
+def test_the_warm_up_pace_counts_the_other_stages_steps(model, alone_s, first):
     """Until a solve in service measures the pace, the warm-up's solve (alone) stands in,
     times SERVICE_SHARE for the other stages' steps between a solve's intervals in service:
     three streams that a solve alone would keep up with (3 x 0.3 s per second of speech) are
-    behind, so their first chunks are the plain ones (newcomers first), not the busy ones."""
+    behind by BUSY_MARGIN or more (3 x 0.6 s), so their first chunks are the plain ones
+    (newcomers first), not the busy ones; three that need 3 x 0.4 s are behind, but by less
+    than BUSY_MARGIN: the busy ones (their extra speech carries the listeners)."""
+    assert 3 * SERVICE_SHARE * 0.2 < BUSY_MARGIN <= 3 * SERVICE_SHARE * 0.3
     probe = make_stage(model, first_chunk_busy=32)
     cfg = probe.busy_stream_config          # the warm-up's last solve: two such streams' second chunks
     streams = [probe._stream("v", torch.Generator().manual_seed(i), cfg) for i in range(2)]
@@ -285,14 +289,14 @@ def test_the_warm_up_pace_counts_the_other_stages_steps(model):
     for stream in streams:
         stream.feed([0] * cfg.chunk(1))
     frames = sum(stream.window_frames() for stream in streams)
-    alone = 0.3 / probe._frames_per_speech_s      # seconds a window frame: 0.3 s per second of speech
+    alone = alone_s / probe._frames_per_speech_s     # seconds a window frame alone
     stage = make_stage(model, clock=ticking(alone * frames), first_chunk_busy=32)
     assert stage.warm_up()
     assert stage._frame_s == pytest.approx(SERVICE_SHARE * alone)
     for i, rid in enumerate("abc"):
         send(stage, rid, codes(10, i))
     stage.has_work()
-    assert [s.next_chunk() for s in stage._streams.values()] == [16, 16, 16]
+    assert [s.next_chunk() for s in stage._streams.values()] == [first] * 3
 
 
 def test_a_first_chunk_planned_beside_others_is_the_busy_one(model):
@@ -358,16 +362,17 @@ def test_a_listener_about_to_run_dry_goes_before_a_newcomer(model, left, first):
 
 
 def test_a_stage_behind_its_listeners_serves_newcomers_first_with_plain_first_chunks(model):
-    """At a measured pace of 0.6 wall seconds per second of speech (in the largest chunks'
-    windows), two streams need more than the wall clock: the stage is behind, so a newcomer's
-    first chunk goes before a near-dry listener's chunk, and first chunks keep the plain size
-    though others are in the stage."""
+    """At a measured pace of 0.8 wall seconds per second of speech (in the largest chunks'
+    windows), two streams need 1.6 wall clocks: the stage is behind, by BUSY_MARGIN and more,
+    so a newcomer's first chunk goes before a near-dry listener's chunk, and first chunks keep
+    the plain size though others are in the stage."""
+    assert 2 * 0.8 >= BUSY_MARGIN
     now = [0.0]
     stage = make_stage(model, clock=lambda: now[0], hold_margin_s=0.1, first_chunk_busy=32)
     send(stage, "a", codes(60, 0))
     [out] = stage.step()
     now[0] = out.payload.samples.numel() / stage.sample_rate - 0.05   # a: 0.05 s left
-    stage._frame_s = 0.6 / stage._frames_per_speech_s
+    stage._frame_s = 0.8 / stage._frames_per_speech_s
     send(stage, "b", codes(20, 1))                       # the plain 16 + 4: ready
     assert served(stage.step()) == ["b"] and stage._streams["b"].next == 16
     stage._frame_s = 0.3 / stage._frames_per_speech_s    # three streams fit: not behind
