@@ -271,14 +271,16 @@ def ticking(step: float):
     return clock
 
 
-@pytest.mark.parametrize("alone_s, first", [(0.3, 16), (0.2, 32)])
-def test_the_warm_up_pace_counts_the_other_stages_steps(model, alone_s, first):
+@pytest.mark.parametrize("alone_s, tail_s, first", [(0.3, None, 16), (0.2, None, 32), (0.3, 0.05, 16)])
+def test_the_warm_up_pace_counts_the_other_stages_steps(model, alone_s, tail_s, first):
     """Until a solve in service measures the pace, the warm-up's solve (alone) stands in,
     times SERVICE_SHARE for the other stages' steps between a solve's intervals in service:
     three streams that a solve alone would keep up with (3 x 0.3 s per second of speech) are
     behind by BUSY_MARGIN or more (3 x 0.6 s), so their first chunks are the plain ones
     (newcomers first), not the busy ones; three that need 3 x 0.4 s are behind, but by less
-    than BUSY_MARGIN: the busy ones (their extra speech carries the listeners)."""
+    than BUSY_MARGIN: the busy ones (their extra speech carries the listeners). A pace
+    measured below that seed (`tail_s`: solves in a quiet tail, the other stages idle) does
+    not make a burst of newcomers look as if the stage kept up with them."""
     assert 3 * SERVICE_SHARE * 0.2 < BUSY_MARGIN <= 3 * SERVICE_SHARE * 0.3
     probe = make_stage(model, first_chunk_busy=32)
     cfg = probe.busy_stream_config          # the warm-up's last solve: two such streams' second chunks
@@ -293,6 +295,8 @@ def test_the_warm_up_pace_counts_the_other_stages_steps(model, alone_s, first):
     stage = make_stage(model, clock=ticking(alone * frames), first_chunk_busy=32)
     assert stage.warm_up()
     assert stage._frame_s == pytest.approx(SERVICE_SHARE * alone)
+    if tail_s is not None:
+        stage._frame_s = tail_s / stage._frames_per_speech_s
     for i, rid in enumerate("abc"):
         send(stage, rid, codes(10, i))
     stage.has_work()
