@@ -61,8 +61,9 @@ SERVICE_SHARE = 2.0
 # its extra speech carries the listener through an answer: four Realtime sessions of 2 s turns
 # on 2 cores (small checkpoint, the live flags) were 1.0x behind at the warm-up's pace and 1.1x
 # at the pace service measured; called behind at 1.0, their first chunks were the plain 48
-# codes and every listener ran dry (3.4-4.1 s of gaps in all, in each of 6 runs), with the busy
-# 72 none did. Eight sessions (2x and more) still take the plain ones.
+# codes and every listener ran dry (3.2-4.1 s of gaps in all, in 6 of 7 runs); with the busy
+# 72, in 3 of 5 runs only the session planned alone (the plain chunk) did, ~0.2 s (one run 4 of
+# 4, 4.1 s). Eight sessions (2x and more) still take the plain ones.
 BUSY_MARGIN = 1.5
 
 
