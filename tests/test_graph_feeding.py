@@ -236,15 +236,21 @@ class Relay(Stage):
 
 
 class ChainRouter(Router):
-    def __init__(self):
+    """The stages of `chain` in a line, the last one's outputs to the client."""
+
+    def __init__(self, chain: tuple[str, ...] = ("producer", "relay", "consumer")):
         super().__init__()
-        self.edges = [Edge("producer", "relay"), Edge("relay", "consumer"), Edge("consumer", CLIENT)]
+        self.chain = chain
+        self.edges = [Edge(a, b) for a, b in zip(chain, chain[1:])] + [Edge(chain[-1], CLIENT)]
+
+    def start(self, request_id: str) -> list[tuple[str, object]]:
+        self.live.add(request_id)
+        return [(self.chain[0], request_id)]
 
     def route(self, out: StageOutput) -> list[tuple[str, object]]:
-        if out.stage == "producer":
-            return [("relay", out.payload)]
-        if out.stage == "relay":
-            return [("consumer", out.payload)]
+        i = self.chain.index(out.stage)
+        if i + 1 < len(self.chain):
+            return [(self.chain[i + 1], out.payload)]
         return super().route(out)
 
 
@@ -338,21 +344,6 @@ class Decoder(Relay):
         return bool(self.inbox)
 
 
-class HeadRouter(Router):
-    def __init__(self):
-        super().__init__()
-        self.edges = [Edge("head", "decoder"), Edge("decoder", "consumer"), Edge("consumer", CLIENT)]
-
-    def start(self, request_id: str) -> list[tuple[str, object]]:
-        self.live.add(request_id)
-        return [("head", request_id)]
-
-    def route(self, out: StageOutput) -> list[tuple[str, object]]:
-        if out.stage in ("head", "decoder"):
-            return [({"head": "decoder", "decoder": "consumer"}[out.stage], out.payload)]
-        return super().route(out)
-
-
 def test_a_newcomer_at_the_head_goes_first_in_the_feeding_passes():
     """head (an encoder, 20 ms) -> decoder (a thinker, 5 ms, not starving) -> consumer (a
     vocoder, 50 ms a pass of 10 items): while the consumer starves for request a, the decoder
@@ -364,7 +355,7 @@ def test_a_newcomer_at_the_head_goes_first_in_the_feeding_passes():
     clock, log = Clock(), []
     head, decoder = Head(clock, log), Decoder(clock, log)
     consumer = Consumer(clock, need=10)
-    g = StageGraph([head, decoder, consumer], HeadRouter(), clock=clock)
+    g = StageGraph([head, decoder, consumer], ChainRouter(("head", "decoder", "consumer")), clock=clock)
     g.add_request("a", "a")
     steps(g, 8)              # fed: every round now brings the consumer a's next 10 items
     passes = consumer.passes

@@ -184,15 +184,16 @@ class VocoderStage(Stage):
                 seed = self.settings.seed + self._count
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
-        return self._stream(speaker, noise, self._first_config(bool(self._streams), self.clock()))
+        return self._stream(speaker, noise, self._first_config(
+            others=bool(self._streams), far_behind=self._behind(self.clock(), BUSY_MARGIN)))
 
-    def _first_config(self, others: bool, now: float) -> StreamConfig:
+    def _first_config(self, others: bool, far_behind: bool) -> StreamConfig:
         """The chunking of a stream whose first chunk is still to come: first_chunk_busy's
-        while other streams are in the stage and it is not behind them by BUSY_MARGIN (the
-        longer first chunk is for a listener who must wait out the others' chunks; when the
-        stage is further behind, gaps come anyway and the shorter first chunk brings first
-        audio sooner), else the stage's."""
-        busy = self.busy_stream_config is not None and others and not self._behind(now, BUSY_MARGIN)
+        while other streams are in the stage and it is not behind them by BUSY_MARGIN
+        (`far_behind`: the longer first chunk is for a listener who must wait out the others'
+        chunks; when the stage is further behind, gaps come anyway and the shorter first chunk
+        brings first audio sooner), else the stage's."""
+        busy = self.busy_stream_config is not None and others and not far_behind
         return self.busy_stream_config if busy else self.stream_config
 
     def _behind(self, now: float, margin: float = 1.0) -> bool:
@@ -272,7 +273,7 @@ class VocoderStage(Stage):
         that expired starts again after it)."""
         flush, first, later, gathering = [], [], [], False
         now = self.clock()
-        behind = self._behind(now)
+        behind, far_behind = self._behind(now), self._behind(now, BUSY_MARGIN)
         dry = self.settings.catch_up and self._a_listener_ran_dry(now)
         for rid, s in self._streams.items():          # insertion order: oldest stream first
             if rid in self._solving:
@@ -282,7 +283,7 @@ class VocoderStage(Stage):
                 # decided as the first chunk is planned, not when the stream opened: a stream
                 # that opened alone and is joined by others before its first chunk plays that
                 # chunk while the stage serves them all
-                s.rechunk(self._first_config(len(self._streams) > 1, now))
+                s.rechunk(self._first_config(others=len(self._streams) > 1, far_behind=far_behind))
             if s.ready():
                 (first if s.num_chunks == 0 else later).append(rid)
             elif s.has_work() or s.finishing:         # a tail to flush, or an empty end
