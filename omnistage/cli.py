@@ -204,6 +204,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together (default: 64)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget for prefill chunks + decodes (default: 2048)")
+    g.add_argument("--max-background-tokens", type=int, default=64,
+                   help="of that budget, the most a step gives background prefills (Realtime turns "
+                        "prefilled while still spoken), so that a response arriving meanwhile "
+                        "waits at most one short step (default: 64)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (default: sized "
                    "from --kv-cache-memory-gb)")

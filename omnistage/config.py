@@ -23,6 +23,9 @@ class EngineConfig:
     max_model_len: int | None = None      # context window; default: the model's
     max_num_seqs: int = 64                # sequences decoding at once
     max_num_batched_tokens: int = 2048    # per-step token budget (prefill chunks + decodes)
+    # Of that budget, the most a step gives background prefills (Realtime turns prefilled while
+    # still spoken): such a step stays short, so a request that arrives waits little for it.
+    max_background_tokens: int = 64
     block_size: int = 16                  # tokens per KV block
     num_kv_blocks: int | None = None      # KV pool size in blocks; default: from kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0       # upper bound on the KV pool when num_kv_blocks is unset
@@ -44,7 +47,7 @@ class EngineConfig:
 
         if self.dtype not in ("auto", *_DTYPES):
             raise bad("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_background_tokens", "block_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, f"must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_model_len", "num_kv_blocks", "num_threads"):

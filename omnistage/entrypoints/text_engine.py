@@ -45,7 +45,7 @@ class TextEngine:
                     opts: OutputOptions, return_hidden_states: bool = False) -> None:
         self.llm.add_request(request_id, prepared.token_ids, opts.text_params(params),
                              prompt_embeds=prepared.embeds,
-                             return_hidden_states=return_hidden_states)
+                             return_hidden_states=return_hidden_states, background=opts.prefill_only)
 
     def step(self) -> list[Delta]:
         return self.llm.step()

@@ -47,7 +47,8 @@ class LLMEngine:
         self.max_model_len = self.kv_cache.max_model_len
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_background_tokens)
         self.output = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         log.info("engine ready: %s on %s (%s, %s linear, %s attention), max_model_len %d, "
                  "KV pool %d blocks of %d tokens (%.0f MiB), prefix caching %s", config.model,
@@ -66,13 +67,16 @@ class LLMEngine:
                     return_hidden_states: bool = False,
                     mrope_positions: torch.Tensor | None = None, position_delta: int = 0,
                     embed_feed: EmbedFeed | None = None,
-                    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    background: bool = False) -> None:
         """Queue a request. With `prompt_embeds` (P, input width), those vectors are the
         model's input at the prompt positions and prompt_token_ids are placeholders (length P)
         that penalties still read. `mrope_positions` (3, P) and `position_delta` place a
         multimodal prompt for models with 3-D RoPE; `embed_feed` streams vectors added to the
         inputs of generated positions (steps wait for them); `deepstack` ((V,) prompt
-        positions, (K, V, hidden)) adds vectors after the first K layers (models that take it)."""
+        positions, (K, V, hidden)) adds vectors after the first K layers (models that take it).
+        `background`: work no one waits for yet (a Realtime turn prefilled while still spoken):
+        its prefill goes in pieces of at most max_background_tokens a step."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if params.n > self.scheduler.max_num_seqs:
@@ -92,7 +96,8 @@ class LLMEngine:
                                  len(prompt_token_ids), params, prompt_embeds=prompt_embeds,
                                  mrope_positions=mrope_positions, position_delta=position_delta,
                                  embed_feed=embed_feed, deepstack=deepstack, generator=gen,
-                                 return_hidden_states=return_hidden_states, arrival=seq_id))
+                                 return_hidden_states=return_hidden_states, arrival=seq_id,
+                                 background=background))
         seqs[0].fork_children = seqs[1:]
         self.requests[request_id] = self.output.new_request(request_id, params, seqs)
         self.scheduler.add(seqs[0])

@@ -2,7 +2,10 @@
 towards its total, under a per-step token budget.
 
 Decodes are running sequences one token behind; prefills are sequences many tokens behind.
-So chunked prefill and mixed prefill/decode steps fall out of the same rule. When blocks run
+So chunked prefill and mixed prefill/decode steps fall out of the same rule. Background
+sequences (a Realtime turn prefilled while still spoken: no one waits for it yet) share a
+smaller budget of their own within the step's: a step never runs long for them, so a request
+arriving meanwhile (the turn's response) waits at most one short step. When blocks run
 out, the youngest running sequence is preempted: its blocks are freed and it is recomputed
 later (its generated tokens are kept and prefilled again).
 """
@@ -40,10 +43,14 @@ class SchedulerPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_background_tokens: int | None = None):
+        """max_background_tokens: the most a step gives background sequences (None: no limit
+        beyond max_num_batched_tokens)."""
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_background_tokens = max_background_tokens or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order: oldest first
         self.num_preemptions = 0
@@ -67,7 +74,7 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> SchedulerPlan:
-        budget = self.max_num_batched_tokens
+        budget, background = self.max_num_batched_tokens, self.max_background_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
         preempted: list[Sequence] = []
@@ -78,7 +85,11 @@ class Scheduler:
             if not seq.ready:
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget,
+                    background if seq.background else budget)
+            if n == 0:                        # a background prefill past this step's share
+                i += 1
+                continue
             got = self.bm.allocate(seq, n)
             while got is None:  # out of blocks: preempt the youngest, maybe seq itself
                 victim = self.running.pop()
@@ -92,14 +103,22 @@ class Scheduler:
             copies += got
             chunks.append(self._chunk(seq, n))
             budget -= n
+            background -= n if seq.background else 0
             i += 1
 
-        # Admit waiting sequences only when memory was not just short.
+        # Admit waiting sequences only when memory was not just short, in order; a background
+        # one past this step's share keeps its place for a later step, and the ones behind it
+        # may pass (a response is not held up by warm prefills of other sessions).
+        passed: list[Sequence] = []
         while (not preempted and self.waiting and budget > 0 and self.waiting[0].ready
                and self._seat_for(self.waiting[0])):
             seq = self.waiting[0]
+            if seq.background and background == 0:
+                passed.append(self.waiting.popleft())
+                continue
             hits = self.bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget)
+            n = min(seq.num_tokens - len(hits) * self.bm.block_size, budget,
+                    background if seq.background else budget)
             got = self.bm.allocate(seq, n, hits)
             if got is None:
                 break
@@ -109,6 +128,8 @@ class Scheduler:
             copies += got
             chunks.append(self._chunk(seq, n))
             budget -= n
+            background -= n if seq.background else 0
+        self.waiting.extendleft(reversed(passed))
 
         return SchedulerPlan(chunks, copies, preempted, self.max_num_batched_tokens - budget)
 

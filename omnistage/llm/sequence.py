@@ -47,6 +47,9 @@ class Sequence:
     return_hidden_states: bool = False
     num_hidden_emitted: int = 0              # positions whose hidden states went out (once each)
     arrival: int = 0                         # admission order; lower = older = higher priority
+    # Background work (a Realtime turn prefilled while still spoken): its prefill takes at most
+    # the scheduler's background budget per step.
+    background: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

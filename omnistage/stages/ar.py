@@ -36,6 +36,9 @@ class ARRequest(msgspec.Struct):
     # DeepStack: (K, V, width) vectors added after the first K layers at these V prompt positions
     deepstack: torch.Tensor | None = None
     deepstack_positions: list[int] | None = None
+    # Background work (a Realtime turn prefilled while still spoken): computed in pieces of at
+    # most the engine's max_background_tokens a step (LLMEngine.add_request)
+    background: bool = False
 
 
 class ARFeed(msgspec.Struct):
@@ -96,7 +99,8 @@ class ARStage(Stage):
                                 mrope_positions=message.mrope_positions,
                                 position_delta=message.position_delta, embed_feed=feed,
                                 deepstack=None if message.deepstack is None else
-                                (torch.tensor(message.deepstack_positions), message.deepstack))
+                                (torch.tensor(message.deepstack_positions), message.deepstack),
+                                background=message.background)
         if feed is not None:
             self._feeds[message.request_id] = feed
         if message.embed_sampled:

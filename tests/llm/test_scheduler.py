@@ -15,16 +15,17 @@ from omnistage.sampling_params import SamplingParams
 
 class Sim:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 32, prefix_caching: bool = True):
+                 max_num_batched_tokens: int = 32, prefix_caching: bool = True,
+                 max_background_tokens: int | None = None):
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        self.sched = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens, max_background_tokens)
         self.ids = itertools.count()
         self.seqs: list[Sequence] = []
         self.plans: list[SchedulerPlan] = []
         self.max_running = 0
 
-    def add(self, prompt_len: int, max_tokens: int = 4, n: int = 1, base: int | None = None
-            ) -> Sequence:
+    def add(self, prompt_len: int, max_tokens: int = 4, n: int = 1, base: int | None = None,
+            background: bool = False) -> Sequence:
         base = next(self.ids) * 1000 if base is None else base
         params = SamplingParams(n=n, max_tokens=max_tokens)
         samples = []
@@ -32,7 +33,7 @@ class Sim:
             sid = next(self.ids)
             samples.append(Sequence(sid, f"req-{samples[0].seq_id if samples else sid}", i,
                                     [base + t for t in range(prompt_len)], prompt_len, params,
-                                    arrival=sid))
+                                    arrival=sid, background=background))
         samples[0].fork_children = samples[1:]
         self.seqs += samples
         self.sched.add(samples[0])
@@ -125,6 +126,28 @@ def test_decodes_are_scheduled_before_new_prefills():
         assert [ch.seq for ch in plan.chunks][:2] == [a, b]
         assert chunk_of(plan, a).num_new_tokens == chunk_of(plan, b).num_new_tokens == 1
         assert plan.num_batched_tokens <= 10
+
+
+def test_background_prefills_share_a_budget_of_their_own():
+    """Warm prefills (background) take at most max_background_tokens of a step between them,
+    running or admitted; a request that arrives meanwhile gets the rest of the step at once."""
+    sim = Sim(num_blocks=128, max_num_batched_tokens=64, max_background_tokens=8)
+    a = sim.add(30, max_tokens=1, background=True)
+    b = sim.add(30, max_tokens=1, background=True)
+    plan = sim.step()
+    assert [(c.seq, c.num_new_tokens) for c in plan.chunks] == [(a, 8)]      # b waits its turn
+    plan = sim.step()
+    assert [(c.seq, c.num_new_tokens) for c in plan.chunks] == [(a, 8)]
+    r = sim.add(40, max_tokens=2)                  # the response arrives
+    plan = sim.step()
+    assert [(c.seq, c.num_new_tokens) for c in plan.chunks] == [(a, 8), (r, 40)]
+    plan = sim.step()
+    # a finishes its prompt (6 left), r decodes, b starts with the share's last 2 tokens
+    assert [(c.seq, c.num_new_tokens) for c in plan.chunks] == [(a, 6), (r, 1), (b, 2)]
+    sim.run()
+    assert all(sum(c.num_new_tokens for c in p.chunks if c.seq.background) <= 8 for p in sim.plans)
+    assert a.status is b.status is r.status is SequenceStatus.FINISHED
+    assert b.num_output_tokens == 1 and r.num_output_tokens == 2
 
 
 def test_decodes_keep_running_when_the_budget_is_tight():

@@ -99,7 +99,7 @@ class OmniRouter:
         return ARRequest(req.request_id, req.prompt_token_ids, req.thinker_params,
                          prompt_embeds=embeds, mm_positions=positions,
                          mrope_positions=req.mrope_positions, position_delta=req.position_delta,
-                         return_hidden_states=req.keep_hidden)
+                         return_hidden_states=req.keep_hidden, background=req.prefill_only)
 
     # ---- routing --------------------------------------------------------------------------
     def route(self, out: StageOutput) -> list[tuple[str, object]]:
@@ -185,7 +185,7 @@ class OmniRouter:
         return [("talker", ARRequest(req.request_id, [self.c.tokens.codec_mask] * n, params,
                                      prompt_embeds=torch.cat(rows),
                                      mrope_positions=req.talker_mrope_positions[:, :n],
-                                     position_delta=req.talker_position_delta))]
+                                     position_delta=req.talker_position_delta, background=True))]
 
     def _thinker_finished(self, flow: _Flow) -> list[tuple[str, object]]:
         if not flow.talker_started:

@@ -44,6 +44,7 @@ class TalkerStart(msgspec.Struct):
     params: SamplingParams
     mrope_positions: torch.Tensor | None = None    # (3, P) int64; None: plain positions
     position_delta: int = 0
+    background: bool = False            # a warm prefill (ARRequest.background)
 
 
 class TalkerText(msgspec.Struct):

@@ -25,3 +25,6 @@ class Qwen3OmniRequest(msgspec.Struct):
     # A spoken turn prefilled while still spoken (OutputOptions.prefill_only, a speaking session):
     # the talker prefills the user turns' rows too, so that at commit its prefix cache holds them.
     warm_talker: bool = False
+    # OutputOptions.prefill_only (a Realtime turn still spoken): background work for the AR
+    # stages (ARRequest.background, TalkerStart.background), which no one waits for yet
+    prefill_only: bool = False

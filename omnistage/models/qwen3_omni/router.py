@@ -103,7 +103,7 @@ class Qwen3OmniRouter:
                          mrope_positions=req.mrope_positions, position_delta=req.position_delta,
                          return_hidden_states=req.keep_hidden,
                          embed_sampled=req.keep_hidden and req.talker_params is not None,
-                         deepstack=ds, deepstack_positions=ds_at)
+                         deepstack=ds, deepstack_positions=ds_at, background=req.prefill_only)
 
     def route(self, out: StageOutput) -> list[tuple[str, object]]:
         flow = self.flows.get(out.request_id)
@@ -222,7 +222,7 @@ class Qwen3OmniRouter:
         return [("talker", TalkerStart(req.request_id, rows, kinds, [-1] * len(kinds),
                                        SamplingParams(temperature=0, max_tokens=1),
                                        mrope_positions=None if pos is None else pos[:, :len(kinds)],
-                                       position_delta=req.talker_position_delta))]
+                                       position_delta=req.talker_position_delta, background=True))]
 
     def _user_rows(self, req: Qwen3OmniRequest, embeds: torch.Tensor,
                    hidden: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

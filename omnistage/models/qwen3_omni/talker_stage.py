@@ -170,7 +170,8 @@ class TalkerStage(ARStage):
                 self.engine.add_request(m.request_id, [p.prompt_id] * e.shape[0], m.params, prompt_embeds=e,
                                         return_hidden_states=True, mrope_positions=m.mrope_positions,
                                         position_delta=m.position_delta,
-                                        embed_feed=self._speech[m.request_id].feed)
+                                        embed_feed=self._speech[m.request_id].feed,
+                                        background=m.background)
             except OmniStageError as err:
                 self._speech.pop(m.request_id)
                 self._touched.pop(m.request_id, None)
