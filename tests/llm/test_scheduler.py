@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 
+from omnistage.cli import build_parser
+from omnistage.config import EngineConfig
+from omnistage.errors import InvalidRequestError
 from omnistage.llm.block_manager import BlockManager
 from omnistage.llm.scheduler import Scheduler, SchedulerPlan
 from omnistage.llm.sequence import Sequence, SequenceStatus
@@ -148,6 +152,19 @@ def test_background_prefills_share_a_budget_of_their_own():
     assert all(sum(c.num_new_tokens for c in p.chunks if c.seq.background) <= 8 for p in sim.plans)
     assert a.status is b.status is r.status is SequenceStatus.FINISHED
     assert b.num_output_tokens == 1 and r.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("value", [0, -64, 1.5])
+def test_the_background_budget_is_a_positive_integer(value):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(model="m", max_background_tokens=value)
+    assert e.value.param == "max_background_tokens" and "positive integer" in str(e.value)
+
+
+def test_the_background_budget_is_a_serve_flag():
+    args = build_parser().parse_args(["serve", "m", "--max-background-tokens", "32"])
+    assert args.max_background_tokens == 32
+    assert build_parser().parse_args(["serve", "m"]).max_background_tokens == EngineConfig.max_background_tokens
 
 
 def test_decodes_keep_running_when_the_budget_is_tight():
