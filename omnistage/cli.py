@@ -224,6 +224,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "32 MiB from the heap, up to 1 GiB kept free at its top) instead of "
                         "faulting in fresh pages for every large activation; resident memory stays "
                         "at its high-water mark. system: the C library's defaults (default: retain)")
+    _kernel_arguments(g)
+    g.add_argument("--engine-seed", dest="seed", type=int, default=0,
+                   help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
+
+
+def _kernel_arguments(g: argparse._ArgumentGroup) -> None:
+    """The engine options that choose the kernels and how weights are stored."""
     g.add_argument("--linear-kernel", default="auto", choices=["auto", "native", "onednn", "matmul"],
                    help="linear layers of the LLM stages: our native CPU kernel (fp32, compiled on "
                         "first use), oneDNN's packed GEMM (fp32 on CPU) or plain matmul (default: "
@@ -254,8 +261,6 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "steps and uses integer dot products (llama.cpp's q8_0 x q8_0 numerics, "
                         "~1.1x faster single rows); float32 multiplies the dequantized weights "
                         "exactly (default: int8)")
-    g.add_argument("--engine-seed", dest="seed", type=int, default=0,
-                   help="seed of unseeded sampling and of unseeded speech noise (default: 0)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

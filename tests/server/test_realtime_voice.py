@@ -79,7 +79,10 @@ def test_barge_in_cancels_the_answer_at_once_and_the_new_turn_is_answered(client
         conn.response.create(response={"output_modalities": ["audio"], "max_output_tokens": 4000})
         first = _until(conn, "response.output_audio.delta")
         answer_item = next(e.item for e in first if e.type == "response.output_item.added")
-        _append(conn, pcm)
+        # 0.3 s of silence and 0.5 s of speech: the speech starts, and under 1 s of the turn no
+        # warm prefill is due yet (one cancelled by the turn's own response counts as aborted too)
+        head = 2 * 800 * MS
+        _append(conn, pcm[:head])
         events = _until(conn, "response.done")
         types = [e.type for e in events]
         started = types.index("input_audio_buffer.speech_started")
@@ -100,6 +103,7 @@ def test_barge_in_cancels_the_answer_at_once_and_the_new_turn_is_answered(client
         assert truncated.item_id == answer_item.id and 0 <= truncated.audio_end_ms <= sent_ms
         _wait_engine_empty(omni_server, api_key)                    # every stage let it go
         assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 1
+        _append(conn, pcm[head:])
         answered = _until(conn, "response.done")                    # the new turn
         kinds = [e.type for e in answered]
         assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
