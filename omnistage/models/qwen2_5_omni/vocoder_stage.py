@@ -167,12 +167,12 @@ class VocoderStage(Stage):
         # Wall seconds per window frame of a later-chunk solve, start to finish (the steps of
         # other stages between its intervals included): a running mean, None before the first.
         self._frame_s: float | None = None
-        # The warm-up's pace times SERVICE_SHARE: the least _behind counts a stream's second of
-        # speech at (a solve in a quiet tail measures less; see _behind). None: no warm-up.
+        # The warm-up's pace times SERVICE_SHARE: the least _behind_by counts a stream's second of
+        # speech at (a solve in a quiet tail measures less; see _behind_by). None: no warm-up.
         self._seed_frame_s: float | None = None
         self.sample_rate = 24000
         # Window frames per second of speech in the streams' largest chunks (the schedule
-        # streams settle into): with _frame_s, the stage's pace per stream (see _behind).
+        # streams settle into): with _frame_s, the stage's pace per stream (see _behind_by).
         window = stream.longest_window(window_align(model.config.dit_config))     # codes
         self._frames_per_speech_s = window / (stream.largest_chunk * model.vocoder.hop / self.sample_rate)
 
@@ -185,7 +185,7 @@ class VocoderStage(Stage):
                 self._count += 1
             noise = torch.Generator(device=self.model.device).manual_seed(seed)
         return self._stream(speaker, noise, self._first_config(
-            others=bool(self._streams), far_behind=self._behind(self.clock(), BUSY_MARGIN)))
+            others=bool(self._streams), far_behind=self._behind_by(self.clock()) >= BUSY_MARGIN))
 
     def _first_config(self, others: bool, far_behind: bool) -> StreamConfig:
         """The chunking of a stream whose first chunk is still to come: first_chunk_busy's
@@ -196,22 +196,26 @@ class VocoderStage(Stage):
         busy = self.busy_stream_config is not None and others and not far_behind
         return self.busy_stream_config if busy else self.stream_config
 
-    def _behind(self, now: float, margin: float = 1.0) -> bool:
-        """The stage cannot keep every listener fed: one has run dry, or at the measured
-        pace its streams need `margin` times the wall clock or more (streams x wall seconds per
-        second of speech, a second of speech costing the window frames of the largest chunks:
-        the early, smaller chunks recompute more look-back per second of speech, and counting
-        them called four Realtime sessions on 2 cores behind, where they keep up)."""
+    def _behind(self, now: float) -> bool:
+        """The stage cannot keep every listener fed (see _behind_by)."""
+        return self._behind_by(now) >= 1.0
+
+    def _behind_by(self, now: float) -> float:
+        """The wall clocks the stage's streams need at the measured pace (streams x wall
+        seconds per second of speech, a second of speech costing the window frames of the
+        largest chunks: the early, smaller chunks recompute more look-back per second of
+        speech, and counting them called four Realtime sessions on 2 cores behind, where they
+        keep up); inf once a listener has run dry, 0 before a pace exists. 1 or more: behind."""
         if self._a_listener_ran_dry(now):
-            return True
+            return float("inf")
         if self._frame_s is None:
-            return False
+            return 0.0
         # Not below the seed: solves in a quiet tail (the last chunks of a burst's answers, the
         # other stages idle) measure the stage alone; eight Realtime sessions starting after
         # such a tail were called keeping up, took the busy first chunks one solve each, and
         # had first audio p50 2.26-2.38 s against 1.73-1.81 s for the same burst first.
         frame_s = max(self._frame_s, self._seed_frame_s or 0.0)
-        return len(self._streams) * frame_s * self._frames_per_speech_s >= margin
+        return len(self._streams) * frame_s * self._frames_per_speech_s
 
     def _a_listener_ran_dry(self, now: float) -> bool:
         return any(p.ran_dry(now) for p in self._playback.values())
@@ -273,7 +277,8 @@ class VocoderStage(Stage):
         that expired starts again after it)."""
         flush, first, later, gathering = [], [], [], False
         now = self.clock()
-        behind, far_behind = self._behind(now), self._behind(now, BUSY_MARGIN)
+        behind_by = self._behind_by(now)
+        behind, far_behind = behind_by >= 1.0, behind_by >= BUSY_MARGIN
         dry = self.settings.catch_up and self._a_listener_ran_dry(now)
         for rid, s in self._streams.items():          # insertion order: oldest stream first
             if rid in self._solving:
