@@ -37,12 +37,15 @@ class OmniRequest(msgspec.Struct):
     talker_params: SamplingParams | None          # None: text only
     speaker: str = ""
     keep_hidden: bool = False    # the thinker keeps its prompt's hidden rows (a speaking prompt)
-    # A spoken turn prefilled while still spoken (OutputOptions.prefill_only, a speaking session):
-    # the talker prefills its rows too, so that at commit its prefix cache holds them.
-    warm_talker: bool = False
     # OutputOptions.prefill_only (a Realtime turn still spoken): background work for the AR
     # stages (ARRequest.background), which no one waits for yet
     prefill_only: bool = False
+
+    @property
+    def warm_talker(self) -> bool:
+        """A speaking session's turn prefilled while still spoken: the talker prefills its rows
+        too, so that at commit its prefix cache holds them."""
+        return self.keep_hidden and self.prefill_only
 
 
 class EncodeJob(msgspec.Struct):

@@ -109,8 +109,7 @@ class Qwen2_5OmniPipeline(GraphPipeline):
         req = OmniRequest(request_id, pp.token_ids, pp.positions.positions, pp.positions.delta,
                           pp.talker_positions.positions if want_audio else None,
                           pp.talker_positions.delta, pp.media, params, talker_params, speaker,
-                          keep_hidden=want_audio, warm_talker=want_audio and opts.prefill_only,
-                          prefill_only=opts.prefill_only)
+                          keep_hidden=want_audio, prefill_only=opts.prefill_only)
         self.graph.add_request(request_id, req)
 
     def num_waiting_requests(self) -> int:

@@ -112,8 +112,7 @@ class Qwen3OmniPipeline(GraphPipeline):
                     {*talker_params.suppress_token_ids, *suppress}))
         req = Qwen3OmniRequest(request_id, pp.token_ids, pp.positions, pp.position_delta, pp.media,
                                params, talker_params, speaker_id, assistant_at, t_pos, t_delta,
-                               keep_hidden=speaks, warm_talker=speaks and opts.prefill_only,
-                               prefill_only=opts.prefill_only)
+                               keep_hidden=speaks, prefill_only=opts.prefill_only)
         self.graph.add_request(request_id, req)
 
     def _voice(self, voice: str | None) -> int:

@@ -22,9 +22,12 @@ class Qwen3OmniRequest(msgspec.Struct):
     talker_mrope_positions: torch.Tensor | None = None   # (3, talker prompt length)
     talker_position_delta: int = 0
     keep_hidden: bool = False    # the thinker exports its prompt's hidden rows (a speaking prompt)
-    # A spoken turn prefilled while still spoken (OutputOptions.prefill_only, a speaking session):
-    # the talker prefills the user turns' rows too, so that at commit its prefix cache holds them.
-    warm_talker: bool = False
     # OutputOptions.prefill_only (a Realtime turn still spoken): background work for the AR
     # stages (ARRequest.background, TalkerStart.background), which no one waits for yet
     prefill_only: bool = False
+
+    @property
+    def warm_talker(self) -> bool:
+        """A speaking session's turn prefilled while still spoken: the talker prefills the user
+        turns' rows too, so that at commit its prefix cache holds them."""
+        return self.keep_hidden and self.prefill_only
