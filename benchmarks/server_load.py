@@ -1,6 +1,8 @@
 """Load on a running `omnistage serve`: C concurrent streaming chat clients for D seconds
 (bounded; loopback only). Prints req/s, TTFT p50/p95 (and with --audio, time to first audio
-p50/p95 and seconds of speech), errors and incomplete streams; the last line is one JSON object.
+p50/p95 and seconds of speech), errors and incomplete streams; with --memory-every S, the
+server's resident memory over the run (from /metrics: start, end, largest, MB/min over the
+second half); the last line is one JSON object.
 
     omnistage serve tiny:qwen2 --port 8011 &
     python -m benchmarks.server_load --base-url http://127.0.0.1:8011/v1 --model tiny:qwen2
@@ -9,6 +11,9 @@ p50/p95 and seconds of speech), errors and incomplete streams; the last line is 
     omnistage serve tiny:qwen_image:small --port 8013 &
     python -m benchmarks.server_load --base-url http://127.0.0.1:8013/v1 --model tiny:qwen_image:small \
         --images --size 256x256 --steps 20 --concurrency 8 --duration 60
+    omnistage serve tiny:qwen3_omni --port 8014 --api-key K &
+    python -m benchmarks.server_load --base-url http://127.0.0.1:8014/v1 --api-key K --model tiny:qwen3_omni \
+        --audio --concurrency 4 --duration 600 --memory-every 30
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import statistics
 import time
 
+import httpx
 import openai
 
 
@@ -83,6 +89,37 @@ async def image_loop(client, model: str, stop_at: float, size: str, steps: int, 
         stats["latency"].append(time.monotonic() - t0)
 
 
+async def memory_loop(base_url: str, api_key: str, every_s: float, stop_at: float,
+                      samples: list[tuple[float, float]]) -> None:
+    """The server's resident memory (process_resident_memory_bytes on /metrics) every
+    `every_s` seconds until `stop_at`: (seconds since the start, MB)."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/metrics"
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as h:
+        while True:
+            text = (await h.get(url)).text
+            rss = next((float(line.split()[1]) for line in text.splitlines()
+                        if line.startswith("process_resident_memory_bytes ")), None)
+            if rss is None:
+                raise RuntimeError(f"{url} has no process_resident_memory_bytes (not an omnistage server on Linux?)")
+            samples.append((round(time.monotonic() - t0, 1), round(rss / 2**20, 1)))
+            if time.monotonic() + every_s > stop_at:
+                return
+            await asyncio.sleep(every_s)
+
+
+def memory_summary(samples: list[tuple[float, float]]) -> dict:
+    """First, last and largest resident MB, and the growth over the second half of the run
+    (MB per minute: past the warm-up, where a leak shows as a steady slope)."""
+    half = [s for s in samples if s[0] >= samples[-1][0] / 2]
+    slope = ((half[-1][1] - half[0][1]) / (half[-1][0] - half[0][0]) * 60
+             if len(half) > 1 and half[-1][0] > half[0][0] else None)
+    return {"rss_start_mb": samples[0][1], "rss_end_mb": samples[-1][1],
+            "rss_max_mb": max(mb for _, mb in samples),
+            "rss_mb_per_min_second_half": None if slope is None else round(slope, 2),
+            "rss_samples": samples}
+
+
 async def main(args) -> dict:
     client = openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
                                 timeout=120)
@@ -90,12 +127,15 @@ async def main(args) -> dict:
              "incomplete": 0, "latency": []}
     t0 = time.monotonic()
     stop_at = t0 + args.duration
+    memory: list[tuple[float, float]] = []
+    sampler = ([memory_loop(args.base_url, args.api_key, args.memory_every, stop_at, memory)]
+               if args.memory_every else [])
     if args.images:
         await asyncio.gather(*(image_loop(client, args.model, stop_at, args.size, args.steps, stats)
-                               for _ in range(args.concurrency)))
+                               for _ in range(args.concurrency)), *sampler)
     else:
         await asyncio.gather(*(client_loop(client, args.model, stop_at, args.max_tokens, stats, args.audio)
-                               for _ in range(args.concurrency)))
+                               for _ in range(args.concurrency)), *sampler)
     wall = time.monotonic() - t0
     await client.close()
 
@@ -115,6 +155,8 @@ async def main(args) -> dict:
                    latency_p95_s=pct(stats["latency"], 0.95))
         for k in ("tok_per_s", "ttft_p50_s", "ttft_p95_s", "ttft_mean_s"):
             out.pop(k)
+    if memory:
+        out.update(memory_summary(memory))
     if args.audio:
         out.update(ttfa_p50_s=pct(stats["ttfa"], 0.5), ttfa_p95_s=pct(stats["ttfa"], 0.95),
                    audio_s_per_s=round(stats["audio_s"] / wall, 2))
@@ -134,6 +176,9 @@ if __name__ == "__main__":
                    help="image models: clients call /v1/images/generations; report images/s and latency")
     p.add_argument("--size", default="256x256", help="--images: image size (default 256x256)")
     p.add_argument("--steps", type=int, default=20, help="--images: denoising steps (default 20)")
+    p.add_argument("--memory-every", type=float, default=0.0, metavar="S",
+                   help="also read the server's resident memory from /metrics every S seconds and report "
+                        "its start, end, largest and its growth over the run's second half (MB/min)")
     result = asyncio.run(main(p.parse_args()))
     if "images_per_s" in result:
         print(f"{result['requests']} images in {result['duration_s']} s: {result['images_per_s']} images/s, "
@@ -145,5 +190,7 @@ if __name__ == "__main__":
           f"TTFT p50 {result['ttft_p50_s']} s p95 {result['ttft_p95_s']} s, "
           + (f"TTFA p50 {result['ttfa_p50_s']} s p95 {result['ttfa_p95_s']} s, "
              f"{result['audio_s_per_s']} audio-s/s, " if result.get('ttfa_p50_s') is not None else "")
-          + f"errors {result['errors']}, incomplete {result['incomplete']}")
+          + f"errors {result['errors']}, incomplete {result['incomplete']}"
+          + (f", resident {result['rss_start_mb']} -> {result['rss_end_mb']} MB (max {result['rss_max_mb']}; "
+             f"second half {result['rss_mb_per_min_second_half']} MB/min)" if "rss_end_mb" in result else ""))
     print(json.dumps(result))

@@ -39,6 +39,7 @@ from omnistage.server.body_limit import BodyLimitMiddleware
 from omnistage.server.errors import error_event, error_response
 from omnistage.server.image_routes import add_image_routes
 from omnistage.server.metrics import ServerMetrics
+from omnistage.server.process_metrics import process_metrics
 from omnistage.server.protocol import ChatCompletionRequest, CompletionRequest
 from omnistage.server.realtime import add_realtime_route
 from omnistage.server.speech import (AudioCollector, SpeechRequest, output_options,
@@ -196,7 +197,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncOmni, stats: ServerMetrics, mode
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(stats.render(engine, admission.metrics()),
+        return PlainTextResponse(stats.render(engine, admission.metrics() + process_metrics()),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/version")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -49,6 +50,34 @@ def test_open_metrics_and_the_key_from_the_environment(open_metrics):
     ok = httpx.post(f"{open_metrics}/v1/chat/completions", json=CHAT, timeout=60,
                     headers={"Authorization": f"Bearer {ENV_KEY}"})
     assert ok.status_code == 200
+
+
+def _scrape(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(process_\w+) (\S+)$", text, re.M)}
+
+
+def test_metrics_give_the_serving_process_its_standard_gauges(tiny_qwen2, start_server):
+    """process_resident_memory_bytes and the other gauges Prometheus' clients export, as the
+    kernel reports them for the server's process; CPU seconds grow with work."""
+    with start_server(tiny_qwen2, "--metrics-auth", "open", key_args=(),
+                      env={"OMNISTAGE_API_KEY": ENV_KEY}) as running:
+        before = _scrape(running.base)
+        status = dict(line.split(":", 1) for line in open(f"/proc/{running.proc.pid}/status"))
+        rss = int(status["VmRSS"].split()[0]) * 1024
+        assert abs(before["process_resident_memory_bytes"] - rss) < 0.2 * rss
+        assert before["process_threads"] == int(status["Threads"])
+        assert before["process_virtual_memory_bytes"] >= before["process_resident_memory_bytes"]
+        assert 3 <= before["process_open_fds"] < 1000
+        started = before["process_start_time_seconds"]
+        assert time.time() - 600 < started < time.time()
+        for _ in range(3):
+            ok = httpx.post(f"{running.base}/v1/chat/completions", json=CHAT, timeout=60,
+                            headers={"Authorization": f"Bearer {ENV_KEY}"})
+            assert ok.status_code == 200
+        after = _scrape(running.base)
+        assert after["process_cpu_seconds_total"] > before["process_cpu_seconds_total"]
+        assert after["process_start_time_seconds"] == started
 
 
 def test_key_from_a_file(tiny_qwen2, start_server, tmp_path):
