@@ -97,8 +97,10 @@ async def memory_loop(base_url: str, api_key: str, every_s: float, stop_at: floa
     t0 = time.monotonic()
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}, timeout=30) as h:
         while True:
-            text = (await h.get(url)).text
-            rss = next((float(line.split()[1]) for line in text.splitlines()
+            r = await h.get(url)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: HTTP {r.status_code} {r.text[:200]}")
+            rss = next((float(line.split()[1]) for line in r.text.splitlines()
                         if line.startswith("process_resident_memory_bytes ")), None)
             if rss is None:
                 raise RuntimeError(f"{url} has no process_resident_memory_bytes (not an omnistage server on Linux?)")
