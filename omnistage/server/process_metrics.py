@@ -13,6 +13,7 @@ over time")."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -47,8 +48,10 @@ def process_metrics(proc: Path = _PROC) -> list[tuple[str, str, str, float]]:
     ]
 
 
+@functools.cache
 def _boot_time() -> float:
-    """Seconds since the epoch at boot (/proc/stat's btime; derived from the clocks without it)."""
+    """Seconds since the epoch at boot (/proc/stat's btime; derived from the clocks without it).
+    Read once: it does not change, and every scrape needs it."""
     try:
         for line in Path("/proc/stat").read_text().splitlines():
             if line.startswith("btime "):
