@@ -1,13 +1,15 @@
 """The time-major 1-D convolution as one native pass (kernels/conv1d_tm.c) against oneDNN's
-(layers/time_major.conv1d), and BigVGAN's AMP blocks on it."""
+(layers/time_major.conv1d), its depthwise form and trimmed transposed convolutions as its
+phases against PyTorch's, and BigVGAN's AMP blocks on it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.conv1d_tm import PackedConv, TimeMajorConvKernel
+from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel
 from omnistage.layers import time_major
 from omnistage.models.qwen2_5_omni.bigvgan import AMPBlock, use_native_activations
 
@@ -110,3 +112,58 @@ def test_amp_block_on_the_kernel_equals_onednn_and_repacks_after_a_load():
         want = block(x)
         block.kernel = TimeMajorConvKernel()
         torch.testing.assert_close(block(x), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("left,right", [(6, 0), (0, 0), (2, 5)])
+def test_uneven_padding(kernel, left, right):
+    """A causal convolution pads the front only: the same as padding both ends by the front's
+    and cutting the back's surplus (or padding the back alone)."""
+    c = conv(24, 20, 7, 1, seed=left, bias=True)
+    x = torch.randn(2, 50, 24, generator=torch.Generator().manual_seed(right))
+    with torch.no_grad():
+        both = time_major.conv1d(c, x, padding=max(left, right))
+    got = kernel(x, PackedConv.of(c), left, right)
+    assert got.shape == (2, 50 + left + right - 6, 20)
+    skip = max(left, right) - left
+    torch.testing.assert_close(got, both[:, skip:skip + got.shape[1]], atol=2e-6 * both.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("channels,taps,dilation,length,left,right", [
+    (256, 7, 1, 40, 6, 0), (20, 7, 2, 5, 12, 0), (16, 3, 1, 300, 1, 1), (33, 5, 3, 1, 12, 3)])
+def test_depthwise_equals_pytorch(kernel, channels, taps, dilation, length, left, right):
+    torch.manual_seed(channels)
+    c = nn.Conv1d(channels, channels, taps, dilation=dilation, groups=channels)
+    x = torch.randn(3, length, channels, generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        want = F.conv1d(F.pad(x.transpose(1, 2), (left, right)), c.weight, c.bias, dilation=dilation,
+                        groups=channels).transpose(1, 2)
+    got = kernel.depthwise(x, PackedDepthwise.of(c), left, right)
+    assert got.is_contiguous() and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
+    # a strided view is read in place; a row alone gives the same bits as in the batch
+    assert torch.equal(kernel.depthwise(x[1:2], PackedDepthwise.of(c), left, right), got[1:2])
+    with pytest.raises(ValueError, match="one group per channel"):
+        PackedDepthwise.of(nn.Conv1d(channels, channels, taps))
+
+
+# kernel = stride (nothing trimmed) and 2 x stride (stride trimmed from each end); columns
+# s * Cout below, at and past a 16-column block
+@pytest.mark.parametrize("cin,cout,stride,twice,length", [
+    (16, 8, 3, True, 50), (32, 16, 8, True, 7), (8, 4, 5, True, 2), (12, 6, 2, False, 9), (64, 32, 4, True, 100)])
+def test_transposed_as_phases_equals_pytorch(kernel, cin, cout, stride, twice, length):
+    torch.manual_seed(cin + stride)
+    k = 2 * stride if twice else stride
+    c = nn.ConvTranspose1d(cin, cout, k, stride=stride)
+    x = torch.randn(2, length, cin, generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        want = F.conv_transpose1d(x.transpose(1, 2), c.weight, c.bias, stride=stride,
+                                  padding=k - stride).transpose(1, 2)
+    packed = PackedConv.of_transposed(c)
+    assert TimeMajorConvKernel.serves_transposed(c) and packed.taps == k // stride
+    y = kernel(x, packed, 0)
+    got = y.view(2, y.shape[1] * stride, cout)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
+    with pytest.raises(ValueError, match="kernel = stride or 2 x stride"):
+        PackedConv.of_transposed(nn.ConvTranspose1d(cin, cout, 3, stride=2))
+    assert not TimeMajorConvKernel.serves_transposed(nn.ConvTranspose1d(512, 512, 16, stride=8))

@@ -37,19 +37,7 @@
 #endif
 
 #if !WIDE
-typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
-
-static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-/* *p in every lane, by the broadcast instruction: `(v8){} + *p` keeps an add and a zero
- * register (adding +0.0 is not a no-op to the compiler), one register too many for tile6. */
-static inline v8 bcast8(const float *p) {
-#if defined(__AVX__)
-    return (v8)_mm256_broadcast_ss(p);
-#else
-    return (v8){} + *p;
-#endif
-}
+#include "v8.h"
 
 /* out[r] = bias + sum_k sum_ci in[r + k * tap][ci] * w[k][ci][:] for 6 rows r (row length c
  * in both), columns [cb, cb + COLS). in: row r at in + r * c; tap: the rows between taps. The

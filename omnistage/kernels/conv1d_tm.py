@@ -1,6 +1,8 @@
 """A stride-1 1-D convolution over time-major activations (B, L, C) as one native pass
 (conv1d_tm.c), its weights packed once: for vocoders' small channel counts, where oneDNN's
-per-call overheads outweigh the arithmetic."""
+per-call overheads outweigh the arithmetic; its depthwise form; and a transposed convolution
+of kernel = stride or 2 x stride (the edges trimmed) as such a convolution of 1 or 2 taps
+whose output channels are the stride's phases (PackedConv.of_transposed)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,61 @@ class PackedConv:
             bias[:cout] = conv.bias.detach().float().cpu()
         return cls(w, bias, cout, conv.dilation[0])
 
+    @classmethod
+    def of_transposed(cls, conv: nn.ConvTranspose1d) -> "PackedConv":
+        """`conv` (stride s, kernel s or 2s, one group, no dilation) with kernel - s outputs
+        trimmed from each end, as a convolution of x (B, L, Cin) with no padding giving
+        (B, L - taps + 1, s * Cout), which viewed (B, (L - taps + 1) * s, Cout) is the trimmed
+        transposed one. Output block m (s steps) of a 2s kernel mixes x[m] through the kernel's
+        second s taps and x[m + 1] through its first s (taps 0 and 1 here); of an s kernel,
+        x[m] alone. ValueError for any other convolution."""
+        cin, cout, k = conv.weight.shape
+        s = conv.stride[0]
+        if conv.groups != 1 or conv.dilation[0] != 1 or conv.output_padding[0] != 0 or k not in (s, 2 * s):
+            raise ValueError(f"a transposed convolution the time-major kernel takes has one group, no "
+                             f"dilation and kernel = stride or 2 x stride; got kernel {k}, stride {s}, "
+                             f"groups {conv.groups}")
+        w = conv.weight.detach().float().cpu()
+        blocks = [w[:, :, s:], w[:, :, :s]] if k == 2 * s else [w]      # tap 0 reads x[m]
+        n = s * cout
+        cp = -(-n // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        packed = torch.zeros(len(blocks), cin, cp, dtype=torch.float32)
+        for tap, block in enumerate(blocks):
+            packed[tap, :, :n] = block.permute(0, 2, 1).reshape(cin, n)    # column r * Cout + o
+        bias = None
+        if conv.bias is not None:
+            bias = torch.zeros(cp, dtype=torch.float32)
+            bias[:n] = conv.bias.detach().float().cpu().repeat(s)
+        return cls(packed, bias, n, 1)
+
     @property
     def in_channels(self) -> int:
         return self.weight.shape[1]
+
+    @property
+    def taps(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class PackedDepthwise:
+    """A depthwise convolution's parameters in the kernel's layout (float32, contiguous, CPU)."""
+
+    weight: torch.Tensor           # (K, C): [tap][channel]
+    bias: torch.Tensor | None      # (C,)
+    dilation: int
+
+    @classmethod
+    def of(cls, conv: nn.Conv1d) -> "PackedDepthwise":
+        """`conv` (stride 1, one input channel per output channel) packed; a ValueError for any
+        other convolution."""
+        if conv.stride[0] != 1 or not conv.groups == conv.in_channels == conv.out_channels:
+            raise ValueError(f"the depthwise time-major kernel takes stride 1 and one group per "
+                             f"channel; got stride {conv.stride[0]}, {conv.groups} groups of "
+                             f"{conv.in_channels} -> {conv.out_channels} channels")
+        w = conv.weight.detach().float().cpu()[:, 0].t().contiguous()
+        bias = None if conv.bias is None else conv.bias.detach().float().cpu().contiguous()
+        return cls(w, bias, conv.dilation[0])
 
     @property
     def taps(self) -> int:
@@ -67,8 +121,11 @@ class TimeMajorConvKernel:
         lib = ctypes.CDLL(str(build_library(SOURCE, defines, flags)))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn = lib.conv1d_time_major
-        self._fn.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64]
+        self._fn.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64]
         self._fn.restype = ctypes.c_int
+        self._depthwise = lib.depthwise_conv1d_time_major
+        self._depthwise.argtypes = [p, p, i64, i64, i64, i64, i64, p, p, i64, i64, i64, i64]
+        self._depthwise.restype = None
 
     @staticmethod
     def serves(conv: nn.Conv1d) -> bool:
@@ -79,28 +136,57 @@ class TimeMajorConvKernel:
         return conv.stride[0] == 1 and conv.groups == 1 and taps * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
+    def serves_transposed(conv: nn.ConvTranspose1d) -> bool:
+        """Whether PackedConv.of_transposed takes `conv` and its packed weights are at most
+        MAX_WEIGHT_BYTES."""
+        cin, cout, k = conv.weight.shape
+        s = conv.stride[0]
+        cp = -(-s * cout // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        return (conv.groups == 1 and conv.dilation[0] == 1 and conv.output_padding[0] == 0
+                and k in (s, 2 * s) and (k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES)
+
+    @staticmethod
     def supports(x: torch.Tensor, conv: PackedConv) -> bool:
         """Whether the kernel takes `x` as it is: float32 (B, L, Cin) on the CPU with unit-stride
         channels."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3
                 and x.shape[2] == conv.in_channels and x.stride(2) == 1)
 
-    def __call__(self, x: torch.Tensor, conv: PackedConv, padding: int) -> torch.Tensor:
-        """x (B, L, Cin) as `supports` takes it, `padding` zero steps at each end ->
-        y (B, L + 2 padding - (K - 1) dilation, Cout) contiguous."""
+    def __call__(self, x: torch.Tensor, conv: PackedConv, padding: int, right: int | None = None) -> torch.Tensor:
+        """x (B, L, Cin) as `supports` takes it, `padding` zero steps before it and `right`
+        (default: `padding`) after -> y (B, L + padding + right - (K - 1) dilation, Cout)
+        contiguous."""
+        right = padding if right is None else right
         b, n, _ = x.shape
-        out_len = n + 2 * padding - (conv.taps - 1) * conv.dilation
+        out_len = n + padding + right - (conv.taps - 1) * conv.dilation
         # The C code trusts the shapes (a wrong one reads out of bounds rather than raising).
-        if not self.supports(x, conv) or padding < 0 or out_len < 1:
+        if not self.supports(x, conv) or padding < 0 or right < 0 or out_len < 1:
             raise ValueError(f"time-major convolution kernel: x {tuple(x.shape)} {x.dtype} "
                              f"(stride {x.stride()}), weight {tuple(conv.weight.shape)}, "
-                             f"dilation {conv.dilation}, padding {padding}")
+                             f"dilation {conv.dilation}, padding {padding} / {right}")
         y = torch.empty((b, out_len, conv.out_channels), dtype=torch.float32)
         if not y.numel():
             return y
         bias = None if conv.bias is None else conv.bias.data_ptr()
         if self._fn(x.data_ptr(), y.data_ptr(), b, n, conv.in_channels, x.stride(0), x.stride(1),
                     conv.weight.data_ptr(), bias, conv.out_channels, conv.weight.shape[2],
-                    conv.taps, conv.dilation, padding) != 0:
+                    conv.taps, conv.dilation, padding, right) != 0:
             raise MemoryError("time-major convolution kernel: no memory for its scratch")
+        return y
+
+    def depthwise(self, x: torch.Tensor, conv: PackedDepthwise, left: int, right: int = 0) -> torch.Tensor:
+        """x (B, L, C) float32 on the CPU with unit-stride channels, `left` zero steps before
+        it and `right` after -> y (B, L + left + right - (K - 1) dilation, C) contiguous."""
+        b, n, c = x.shape
+        out_len = n + left + right - (conv.taps - 1) * conv.dilation
+        if (x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(2) != 1
+                or c != conv.weight.shape[1] or left < 0 or right < 0 or out_len < 1):
+            raise ValueError(f"time-major depthwise convolution kernel: x {tuple(x.shape)} {x.dtype} "
+                             f"(stride {x.stride()}), weight {tuple(conv.weight.shape)}, dilation "
+                             f"{conv.dilation}, padding {left} / {right}")
+        y = torch.empty((b, out_len, c), dtype=torch.float32)
+        if y.numel():
+            bias = None if conv.bias is None else conv.bias.data_ptr()
+            self._depthwise(x.data_ptr(), y.data_ptr(), b, n, c, x.stride(0), x.stride(1),
+                            conv.weight.data_ptr(), bias, conv.taps, conv.dilation, left, right)
         return y

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5OmniAudioEncoderConfig
 
+from omnistage.layers.activations import gelu
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.models.qwen2_5_omni.audio_features import num_audio_tokens
 
@@ -103,7 +104,7 @@ class AudioEncoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
         h = h + self.self_attn(self.self_attn_layer_norm(h), layout)         # (N, D)
-        h = h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        h = h + self.fc2(gelu(self.fc1(self.final_layer_norm(h))))
         if h.dtype == torch.float16:       # as the reference: keep fp16 activations finite
             bound = torch.finfo(h.dtype).max - 1000
             h = h.clamp(-bound, bound)
@@ -152,8 +153,8 @@ class AudioEncoder(nn.Module):
         chunks, chunk_lens = self._chunk(features, lengths)                  # (K, mel, Lc)
         layout = self._layout(lengths, chunk_lens, chunks.shape[2])
         # conv1's output past a chunk's end is zeroed, so conv2 sees the chunk's own zero padding.
-        x = F.gelu(self.conv1(chunks)) * layout.conv_mask                    # (K, D, Lc)
-        x = F.gelu(self.conv2(x)).transpose(1, 2)                           # (K, L, D)
+        x = gelu(self.conv1(chunks)) * layout.conv_mask                      # (K, D, Lc)
+        x = gelu(self.conv2(x)).transpose(1, 2)                             # (K, L, D)
         x = x + self.positions[:layout.padded_len]
         h = x.reshape(-1, x.shape[2]).index_select(0, layout.valid_rows)      # (N, D)
         for layer in self.layers:

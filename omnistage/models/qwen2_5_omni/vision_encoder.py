@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen2_5OmniVisionEncoderConfig
 
+from omnistage.layers.activations import gelu
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+_ACTIVATIONS = {"silu": F.silu, "gelu": gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 _NORM_EPS = 1e-6            # fixed in the reference model, not a config field
 

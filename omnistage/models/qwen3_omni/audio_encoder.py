@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3OmniMoeAudioEncoderConfig
 
+from omnistage.layers.activations import gelu
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.models.qwen2_5_omni.audio_encoder import sinusoid_table
 
@@ -140,7 +141,7 @@ class AudioEncoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, window: int) -> torch.Tensor:
         h = h + self.self_attn(self.self_attn_layer_norm(h), window)          # (n, D)
-        h = h + self.fc2(F.gelu(self.fc1(self.final_layer_norm(h))))
+        h = h + self.fc2(gelu(self.fc1(self.final_layer_norm(h))))
         if h.dtype == torch.float16:       # as the reference: keep fp16 activations finite
             bound = torch.finfo(h.dtype).max - 1000
             h = h.clamp(-bound, bound)
@@ -199,7 +200,7 @@ class Qwen3OmniAudioEncoder(nn.Module):
         h = h.flatten(0, 1)[:num_audio_tokens(frames, self.config.n_window)]  # (n, D)
         for layer in self.layers:
             h = layer(h, self.window_tokens)
-        return self.proj2(F.gelu(self.proj1(self.ln_post(h))))                # (n, out)
+        return self.proj2(gelu(self.proj1(self.ln_post(h))))                # (n, out)
 
     def encode_window(self, features: torch.Tensor, in_longer_audio: bool) -> torch.Tensor:
         """(mel, T <= window_frames) -> its rows: one attention window of an audio, alone (the

@@ -40,7 +40,10 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
-from omnistage.layers import time_major
+from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel
+from omnistage.layers import conv_products
+from omnistage.layers.activations import gelu
+from omnistage.layers.conv_products import TapMatrix
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.native_kernel import ParameterState, attach_kernel
@@ -124,9 +127,11 @@ class Code2WavConfig:
 
 # ------------------------------------------------------------------ convolution parts
 #
-# The convolution stack runs time-major (layers/time_major.py): activations (B, L, C), each
-# convolution fed the channels-last view (a 16-channel 1x1 convolution at 24 kHz ran 2-3x
-# slower in PyTorch's default layout, and every layer paid oneDNN's reorders both ways).
+# The convolution stack runs time-major: activations (B, L, C) (a 16-channel 1x1 convolution
+# at 24 kHz ran 2-3x slower in PyTorch's default layout, and every layer paid oneDNN's
+# reorders both ways). The convolutions are matrix products (layers/conv_products.py) and
+# the residual units a native pass where it builds (use_native_units): no oneDNN primitive
+# per input shape, which a stream of windows of ever new lengths kept making.
 
 class CausalStep(Protocol):
     """A layer of the causal convolution stack, time-major (B, L, C) -> (B, L * scale, C'):
@@ -158,16 +163,27 @@ def run_causal(layers: Sequence[CausalStep], h: torch.Tensor, emit_from: int) ->
     return h[:, emit_from - at:]
 
 
+def _native_input(x: torch.Tensor) -> bool:
+    """Whether the time-major kernels take x as it is: float32 (B, L, C) on the CPU with
+    unit-stride channels."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+
+
 class CausalConv(nn.Module):
-    """Conv1d (stride 1) left-padded by its reach (kernel - 1) * dilation, time-major:
-    (B, L, Cin) -> (B, L, Cout) (a view of a longer output); output t sees inputs t - reach .. t.
-    The padding is the convolution's own (no padded copy of the input); it pads both ends, and
-    the reach outputs past the end are dropped."""
+    """Conv1d (stride 1; one group or depthwise) left-padded by its reach (kernel - 1) *
+    dilation, time-major: (B, L, Cin) -> (B, L, Cout); output t sees inputs t - reach .. t.
+    Run by the native time-major kernel where use_native_convolutions gave it one that serves
+    the convolution, else as matrix products (layers/conv_products.py): never by oneDNN, whose
+    primitive per input shape a stream of windows of ever new lengths kept making."""
+
+    kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
 
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1):
         super().__init__()
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.reach = (kernel - 1) * dilation
+        self.taps = TapMatrix()
+        self._packed: tuple[ParameterState, PackedConv | PackedDepthwise | None] | None = None
 
     scale = 1
 
@@ -175,27 +191,66 @@ class CausalConv(nn.Module):
         return out_from - self.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return time_major.conv1d(self.conv, x, padding=self.reach)[:, :x.shape[1]]
+        packed = self.packed() if self.kernel is not None and _native_input(x) else None
+        if isinstance(packed, PackedDepthwise):
+            return self.kernel.depthwise(x, packed, self.reach)
+        if packed is not None and self.kernel.supports(x, packed):
+            return self.kernel(x, packed, self.reach, 0)
+        return conv_products.causal_conv1d(self.conv, x, self.taps)
+
+    def packed(self) -> PackedConv | PackedDepthwise | None:
+        """The convolution in the native kernel's layout (None where it does not serve it:
+        TimeMajorConvKernel.serves), packed again after a parameter changed."""
+        params = list(self.conv.parameters())
+        if self._packed is None or not self._packed[0].matches(params):
+            c = self.conv
+            if c.groups == 1:
+                packed = PackedConv.of(c) if TimeMajorConvKernel.serves(c) else None
+            else:
+                packed = PackedDepthwise.of(c)
+            self._packed = (ParameterState.of(params), packed)
+        return self._packed[1]
 
 
 class TrimmedTransposedConv(nn.Module):
-    """ConvTranspose1d(kernel k, stride s) with k - s samples cut from each end, time-major:
-    (B, L, Cin) -> (B, L * s - (k - s), Cout). With k = s output block m is input m alone;
-    with k = 2s it mixes inputs m and m + 1 (one frame of look-ahead, hence the cut tail). The
-    cut is the transposed convolution's own padding (it drops that many from each end)."""
+    """ConvTranspose1d(kernel k = s or 2s, stride s) with k - s samples cut from each end,
+    time-major: (B, L, Cin) -> (B, L * s - (k - s), Cout). With k = s output block m is input m
+    alone; with k = 2s it mixes inputs m and m + 1 (one frame of look-ahead, hence the cut
+    tail). Run as a 1- or 2-tap convolution whose output channels are the s phases by the
+    native time-major kernel where use_native_convolutions gave it one that serves it, else as
+    matrix products (layers/conv_products.py): never by oneDNN (see CausalConv)."""
+
+    kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
-        self.trim = kernel - stride
+        if not conv_products.supports_transposed(self.conv):
+            raise ValueError(f"code2wav's transposed convolutions have kernel = stride or 2 x stride; "
+                             f"got kernel {kernel}, stride {stride}")
         self.scale = stride
+        self.taps = TapMatrix()
+        self._packed: tuple[ParameterState, PackedConv | None] | None = None
 
     def needs_from(self, out_from: int) -> int:
         """Output j mixes inputs j // stride and (with the trim) j // stride + 1."""
         return out_from // self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return time_major.conv_transpose1d(self.conv, x, padding=self.trim)
+        packed = self.packed() if self.kernel is not None and _native_input(x) else None
+        if packed is not None and self.kernel.supports(x, packed) and x.shape[1] >= packed.taps:
+            y = self.kernel(x, packed, 0)                       # (B, L - taps + 1, s * Cout)
+            return y.view(y.shape[0], y.shape[1] * self.scale, self.conv.out_channels)
+        return conv_products.trimmed_conv_transpose1d(self.conv, x, self.taps)
+
+    def packed(self) -> PackedConv | None:
+        """The convolution in the native kernel's layout (PackedConv.of_transposed; None where
+        the kernel does not serve it), packed again after a parameter changed."""
+        params = list(self.conv.parameters())
+        if self._packed is None or not self._packed[0].matches(params):
+            packed = PackedConv.of_transposed(self.conv) if TimeMajorConvKernel.serves_transposed(self.conv) else None
+            self._packed = (ParameterState.of(params), packed)
+        return self._packed[1]
 
 
 class ConvNeXtBlock(nn.Module):
@@ -216,7 +271,7 @@ class ConvNeXtBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(self.dwconv(x))
-        return x + self.pwconv2(F.gelu(self.pwconv1(y))) * self.gamma
+        return x + self.pwconv2(gelu(self.pwconv1(y))) * self.gamma
 
 
 class ResidualUnit(nn.Module):
@@ -257,11 +312,31 @@ class ResidualUnit(nn.Module):
         return self._packed[1]
 
 
+def use_native_convolutions(model: nn.Module) -> int:
+    """Run `model`'s causal and trimmed transposed convolutions in the native time-major
+    kernel (kernels/conv1d_tm.c) where it builds and serves them (float32 CPU activations,
+    packed weights up to its MAX_WEIGHT_BYTES; others stay matrix products). -> how many
+    modules took it (0: it did not build). Their weights are packed here, not amid the first
+    decode's activations: with freed memory retained (host_memory=retain), small lasting blocks
+    between a step's large ones kept the heap ~80 MB larger."""
+    took = (attach_kernel(model, CausalConv, TimeMajorConvKernel, "code2wav's causal convolutions")
+            + attach_kernel(model, TrimmedTransposedConv, TimeMajorConvKernel, "code2wav's transposed convolutions"))
+    for m in model.modules():
+        if isinstance(m, (CausalConv, TrimmedTransposedConv)) and m.kernel is not None:
+            m.packed()
+    return took
+
+
 def use_native_units(model: nn.Module) -> int:
     """Run every ResidualUnit of `model` as one native pass where the kernel builds (float32
     CPU activations with channels a multiple of 16; others keep the torch ops; values within
-    float rounding of them). -> how many units took it (0: it did not build)."""
-    return attach_kernel(model, ResidualUnit, Code2WavUnitKernel, "code2wav's residual units")
+    float rounding of them). -> how many units took it (0: it did not build). Their weights
+    are packed here (see use_native_convolutions)."""
+    took = attach_kernel(model, ResidualUnit, Code2WavUnitKernel, "code2wav's residual units")
+    for m in model.modules():
+        if isinstance(m, ResidualUnit) and m.kernel is not None:
+            m.packed()
+    return took
 
 
 class DecoderBlock(nn.Module):

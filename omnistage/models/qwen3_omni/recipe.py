@@ -25,7 +25,7 @@ from omnistage.llm.engine import LLMEngine
 from omnistage.models.qwen2_5_omni.loader import embedding_rows
 from omnistage.models.qwen2_5_omni.processor import MediaLimits
 from omnistage.models.qwen3_omni.audio_encoder import Qwen3OmniAudioEncoder
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, use_native_units
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, use_native_convolutions, use_native_units
 from omnistage.models.qwen3_omni.code2wav_stage import Code2WavSettings, Code2WavStage
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.encoders import Qwen3OmniEncoders
@@ -95,6 +95,7 @@ def build_stage(name: str, config: EngineConfig, settings: Qwen3OmniSettings) ->
         if config.linear_kernel != "matmul":
             use_native_snake(model)        # SnakeBeta in one pass each (~30% of its time)
             use_native_units(model)        # and each residual unit in one (~25% of the rest)
+            use_native_convolutions(model)  # the other convolutions where the kernel serves them
         stage = Code2WavStage(name, model.eval(), settings.code2wav)
         stage.warm_up()
         return stage

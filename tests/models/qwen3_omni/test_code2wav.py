@@ -26,8 +26,9 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3Omni
 
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.layers.snake import use_native_snake
-from omnistage.models.qwen3_omni.code2wav import (Code2Wav, Code2WavConfig, Code2WavWindow,
-                                                  run_causal, sliding_causal_mask)
+from omnistage.models.qwen3_omni.code2wav import (CausalConv, Code2Wav, Code2WavConfig, Code2WavWindow,
+                                                  TrimmedTransposedConv, run_causal, sliding_causal_mask,
+                                                  use_native_convolutions, use_native_units)
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=96, codebook_size=64, num_quantizers=16, decoder_dim=64,
@@ -141,6 +142,53 @@ def test_native_snake_matches_transformers(models, frames):
     window = Code2WavWindow(codes[0], 3, frames, 25)
     torch.testing.assert_close(native.decode_windows([window])[0], hf_window(hf, codes[0], 3, frames, 25),
                                atol=ATOL, rtol=0)
+
+
+def every_native_kernel(model: Code2Wav) -> Code2Wav:
+    """As the recipe runs it on the CPU: SnakeBeta, the residual units and the other
+    convolutions through the native kernels."""
+    use_native_snake(model)
+    assert use_native_units(model) == 3 * len(CONFIG["upsample_rates"])
+    # decoder.0 and the last conv, the upsampler's two transposed and two depthwise ones, the
+    # decoder blocks' transposed ones and the two convolutions of each residual unit
+    units = 3 * len(CONFIG["upsample_rates"])
+    assert use_native_convolutions(model) == 2 + 2 * 2 + len(CONFIG["upsample_rates"]) + 2 * units
+    return model
+
+
+@pytest.mark.parametrize("frames", [1, 9, 40])
+def test_native_convolutions_match_transformers(models, frames):
+    """Every convolution through the native time-major kernel where it serves it (the
+    transposed ones as 1- or 2-tap convolutions over the stride's phases, the depthwise ones
+    by its depthwise form), with the native units and SnakeBeta: the whole forward and windows
+    of mixed lengths in one call within the same tolerance."""
+    hf, ours = models
+    native = every_native_kernel(load(ours.config, checkpoint(hf)))
+    served = [m for m in native.modules() if isinstance(m, (CausalConv, TrimmedTransposedConv))]
+    assert all(m.packed() is not None for m in served)          # the tiny widths: all of them
+    codes = codes_for(2, frames, seed=frames + 2)
+    with torch.no_grad():
+        want = hf(codes)
+    torch.testing.assert_close(native(codes), want, atol=ATOL, rtol=0)
+    spans = [(0, frames), (frames // 2, frames), (frames - 1, frames)]
+    windows = [Code2WavWindow(codes[r], s, e, 6) for r in (0, 1) for s, e in spans]
+    for w, got in zip(windows, native.decode_windows(windows)):
+        torch.testing.assert_close(got, hf_window(hf, w.codes, w.start, w.end, 6), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_no_convolution_reaches_onednn(models, native):
+    """Neither the native kernels nor the matrix products (the path without them: CUDA, the
+    `matmul` kernels) call PyTorch's convolution: oneDNN kept a primitive for every input shape,
+    and a stream's windows brought ever new ones (a server's memory grew ~15 MB a minute)."""
+    hf, ours = models
+    model = every_native_kernel(load(ours.config, checkpoint(hf))) if native else ours
+    windows = [Code2WavWindow(codes_for(1, 30, seed=5)[0], s, e, 25) for s, e in ((0, 4), (4, 10), (10, 30))]
+    with torch.autograd.profiler.profile() as prof:
+        model.decode_windows(windows)
+    ops = {e.name for e in prof.function_events}
+    assert "aten::mm" in ops or "aten::addmm" in ops or native     # the profile saw the decode
+    assert not {name for name in ops if "conv" in name}
 
 
 def test_other_codes_give_another_waveform(models):

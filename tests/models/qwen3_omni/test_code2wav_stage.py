@@ -258,7 +258,7 @@ def test_warm_up_leaves_no_stream_and_changes_no_output(model):
     chunks afterwards are the same samples as from a stage that never warmed up."""
     settings = Code2WavSettings(playback_margin_s=None)
     cold, warm = Code2WavStage("code2wav", model, settings), Code2WavStage("code2wav", model, settings)
-    warm.warm_up(batches=(1, 3))
+    warm.warm_up()
     assert warm.num_requests() == 0 and not warm.has_work()
     outs = []
     for stage in (cold, warm):
