@@ -8,11 +8,33 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from benchmarks.serve_process import free_port, stop, wait_healthy
 
 API_KEY = "test-key"
+
+
+def scrape_metrics(base: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's /metrics as {sample: value}, a sample's name with its labels as the text
+    writes them (`omnistage_kv_blocks_free{stage="thinker"}`); `api_key` None: no header."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{base}/metrics", headers=headers, timeout=10)
+    r.raise_for_status()
+    samples = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            samples[sample] = float(value)
+    return samples
+
+
+def metric(base: str, name: str, api_key: str | None = None) -> float:
+    """One sample of the server's /metrics; AssertionError naming it when it is missing."""
+    samples = scrape_metrics(base, api_key)
+    assert name in samples, f"{name} is missing from /metrics"
+    return samples[name]
 
 
 @dataclass

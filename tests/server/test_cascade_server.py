@@ -5,7 +5,6 @@ answer, /v1/audio/speech heard back, /v1/audio/transcriptions, a Realtime voice 
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import openai

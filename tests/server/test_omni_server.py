@@ -13,6 +13,7 @@ import pytest
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
+from tests.server.conftest import scrape_metrics
 
 from server_helpers import cut_off_streams
 
@@ -185,17 +186,6 @@ def test_health_and_metrics(omni_server, api_key):
     assert "omnistage_time_to_first_audio_seconds_count" in text
 
 
-def _metrics(base: str, auth: dict) -> dict[str, float]:
-    import httpx
-
-    out = {}
-    for line in httpx.get(f"{base}/metrics", headers=auth).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 CUT_OFF_STREAMS = 200
 
 
@@ -204,7 +194,7 @@ def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
 
 
     auth = {"Authorization": f"Bearer {api_key}"}
-    before = _metrics(omni_server, auth)
+    before = scrape_metrics(omni_server, api_key)
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True, "ignore_eos": True,
             "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
             "talker": {"max_tokens": 2000, "min_tokens": 2000}}
@@ -212,7 +202,7 @@ def test_cut_off_speech_streams_free_every_stage(omni_server, api_key):
     cut_off_streams(omni_server, auth, body, CUT_OFF_STREAMS, lines_cycle=9, timeout_s=240)
     deadline = time.monotonic() + 15
     while True:
-        m = _metrics(omni_server, auth)
+        m = scrape_metrics(omni_server, api_key)
         held = sum(v for k, v in m.items() if k.startswith("omnistage_stage_requests"))
         # KV pools of the stages in the server's process (a stage in its own process reports
         # the requests it holds, not its pool)
@@ -268,8 +258,7 @@ def test_a_client_gone_before_the_first_byte_aborts_its_request(omni_server, api
     import time
     from urllib.parse import urlsplit
 
-    auth = {"Authorization": f"Bearer {api_key}"}
-    before = _metrics(omni_server, auth)["omnistage_requests_aborted_total"]
+    before = scrape_metrics(omni_server, api_key)["omnistage_requests_aborted_total"]
     body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True,
                        "ignore_eos": True, "modalities": ["text", "audio"], "audio": {"format": "pcm16"},
                        "talker": {"max_tokens": 2000, "min_tokens": 2000}}).encode()
@@ -279,7 +268,7 @@ def test_a_client_gone_before_the_first_byte_aborts_its_request(omni_server, api
                      + f"Authorization: Bearer {api_key}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     deadline = time.monotonic() + 30       # the request itself would take far longer
     while True:
-        m = _metrics(omni_server, auth)
+        m = scrape_metrics(omni_server, api_key)
         if m["omnistage_requests_aborted_total"] > before and m["omnistage_requests_in_engine"] == 0:
             break
         assert time.monotonic() < deadline, "the request of a client that left is still running"

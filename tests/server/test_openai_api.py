@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from omnistage import Omni, SamplingParams
+from tests.server.conftest import metric
 
 from server_helpers import cut_off_streams
 
@@ -128,30 +129,25 @@ def test_auth_and_errors_in_openai_shape(server, api_key):
     assert httpx.get(f"{server}/health", headers=auth).status_code == 200
 
 
-def _metric(server: str, auth: dict, name: str) -> float:
-    text = httpx.get(f"{server}/metrics", headers=auth).text
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
-
-
 CUT_OFF_STREAMS = 200
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server, api_key):
     auth = {"Authorization": f"Bearer {api_key}"}
-    total = _metric(server, auth, "omnistage_kv_blocks_total")
-    aborted = _metric(server, auth, "omnistage_requests_aborted_total")
+    total = metric(server, "omnistage_kv_blocks_total", api_key)
+    aborted = metric(server, "omnistage_requests_aborted_total", api_key)
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1500, "stream": True,
             "ignore_eos": True}
     cut_off_streams(server, auth, body, CUT_OFF_STREAMS, lines_cycle=7, timeout_s=120)
     deadline = time.monotonic() + 10     # bounded wait for the aborts to land
-    while (_metric(server, auth, "omnistage_requests_in_engine") != 0
-           or _metric(server, auth, "omnistage_kv_blocks_free") != total):
+    while (metric(server, "omnistage_requests_in_engine", api_key) != 0
+           or metric(server, "omnistage_kv_blocks_free", api_key) != total):
         assert time.monotonic() < deadline, "requests or blocks still held after the clients went away"
         time.sleep(0.05)
-    assert _metric(server, auth, "omnistage_requests_running") == 0
+    assert metric(server, "omnistage_requests_running", api_key) == 0
     # A client may leave before its request reached the engine (nothing to abort then); none
     # of these 1500-token requests can finish on its own, so nearly all were aborted.
-    assert _metric(server, auth, "omnistage_requests_aborted_total") >= aborted + CUT_OFF_STREAMS - 10
+    assert metric(server, "omnistage_requests_aborted_total", api_key) >= aborted + CUT_OFF_STREAMS - 10
 
 
 def test_oversized_body_is_413(server, api_key):
@@ -223,11 +219,10 @@ def test_chunked_oversized_body_is_413(server, api_key):
 
 
 def test_metrics_record_ttft_latency_and_tokens(server, api_key, client):
-    auth = {"Authorization": f"Bearer {api_key}"}
-    before = _metric(server, auth, "omnistage_time_to_first_token_seconds_count")
-    tokens = _metric(server, auth, "omnistage_generation_tokens_total")
+    before = metric(server, "omnistage_time_to_first_token_seconds_count", api_key)
+    tokens = metric(server, "omnistage_generation_tokens_total", api_key)
     client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, temperature=0,
                                    extra_body={"ignore_eos": True})
-    assert _metric(server, auth, "omnistage_time_to_first_token_seconds_count") == before + 1
-    assert _metric(server, auth, "omnistage_request_latency_seconds_count") >= 1
-    assert _metric(server, auth, "omnistage_generation_tokens_total") == tokens + 7
+    assert metric(server, "omnistage_time_to_first_token_seconds_count", api_key) == before + 1
+    assert metric(server, "omnistage_request_latency_seconds_count", api_key) >= 1
+    assert metric(server, "omnistage_generation_tokens_total", api_key) == tokens + 7

@@ -16,6 +16,7 @@ import pytest
 
 from omnistage.errors import InvalidRequestError
 from omnistage.server.serve import resolve_api_key
+from tests.server.conftest import scrape_metrics
 
 ORIGIN = "https://app.example"
 ENV_KEY = "env-key-123"
@@ -52,17 +53,12 @@ def test_open_metrics_and_the_key_from_the_environment(open_metrics):
     assert ok.status_code == 200
 
 
-def _scrape(base: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(process_\w+) (\S+)$", text, re.M)}
-
-
 def test_metrics_give_the_serving_process_its_standard_gauges(tiny_qwen2, start_server):
     """process_resident_memory_bytes and the other gauges Prometheus' clients export, as the
     kernel reports them for the server's process; CPU seconds grow with work."""
     with start_server(tiny_qwen2, "--metrics-auth", "open", key_args=(),
                       env={"OMNISTAGE_API_KEY": ENV_KEY}) as running:
-        before = _scrape(running.base)
+        before = scrape_metrics(running.base)
         status = dict(line.split(":", 1) for line in open(f"/proc/{running.proc.pid}/status"))
         rss = int(status["VmRSS"].split()[0]) * 1024
         assert abs(before["process_resident_memory_bytes"] - rss) < 0.2 * rss
@@ -75,7 +71,7 @@ def test_metrics_give_the_serving_process_its_standard_gauges(tiny_qwen2, start_
             ok = httpx.post(f"{running.base}/v1/chat/completions", json=CHAT, timeout=60,
                             headers={"Authorization": f"Bearer {ENV_KEY}"})
             assert ok.status_code == 200
-        after = _scrape(running.base)
+        after = scrape_metrics(running.base)
         assert after["process_cpu_seconds_total"] > before["process_cpu_seconds_total"]
         assert after["process_start_time_seconds"] == started
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import base64
 import time
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
+from tests.server.conftest import metric
 
 
 @pytest.fixture(scope="module", params=["local", "process"])
@@ -55,17 +55,9 @@ def _until(conn, last: str, deadline_s: float = DEADLINE_S) -> list:
             return events
 
 
-def _metric(base: str, api_key: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {api_key}"}).text
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} is missing from /metrics")
-
-
 def _wait_engine_empty(base: str, api_key: str) -> None:
     end = time.monotonic() + 10
-    while _metric(base, api_key, "omnistage_requests_in_engine") != 0:
+    while metric(base, "omnistage_requests_in_engine", api_key) != 0:
         assert time.monotonic() < end, "the engine still holds the aborted request"
         time.sleep(0.05)
 
@@ -127,7 +119,7 @@ def test_audio_turn_transcript_equals_offline(client, tiny_omni):
 
 
 def test_cancel_then_disconnect_leave_nothing_in_the_engine(client, omni_server, api_key):
-    aborted = _metric(omni_server, api_key, "omnistage_requests_aborted_total")
+    aborted = metric(omni_server, "omnistage_requests_aborted_total", api_key)
     with client.realtime.connect(model="tiny") as conn:
         assert conn.recv().type == "session.created"
         conn.conversation.item.create(item={"type": "message", "role": "user",
@@ -140,12 +132,12 @@ def test_cancel_then_disconnect_leave_nothing_in_the_engine(client, omni_server,
         assert done.response.status == "cancelled"
         assert done.response.status_details.reason == "client_cancelled"
         _wait_engine_empty(omni_server, api_key)
-        assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 1
+        assert metric(omni_server, "omnistage_requests_aborted_total", api_key) == aborted + 1
         # the session carries on: the partial answer is in the conversation
         conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4000})
         _until(conn, "response.output_text.delta")
     _wait_engine_empty(omni_server, api_key)      # leaving mid-response aborted it
-    assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 2
+    assert metric(omni_server, "omnistage_requests_aborted_total", api_key) == aborted + 2
 
 
 def _manual(conn) -> None:

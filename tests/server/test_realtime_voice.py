@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from benchmarks.espeak import RATE, SENTENCES, espeak, pcm16
-from tests.server.test_realtime_server import _metric, _say, _until, _wait_engine_empty
+from tests.server.conftest import metric
+from tests.server.test_realtime_server import _say, _until, _wait_engine_empty
 
 MS = RATE // 1000
 
@@ -71,7 +72,7 @@ def test_default_session_detects_turns_and_answers_them(client):
 
 def test_barge_in_cancels_the_answer_at_once_and_the_new_turn_is_answered(client, omni_server,
                                                                           api_key):
-    aborted = _metric(omni_server, api_key, "omnistage_requests_aborted_total")
+    aborted = metric(omni_server, "omnistage_requests_aborted_total", api_key)
     pcm, _, _ = _spoken(3, lead_s=0.3)
     with client.realtime.connect(model="tiny") as conn:
         _session(conn, max_output_tokens=3)
@@ -102,7 +103,7 @@ def test_barge_in_cancels_the_answer_at_once_and_the_new_turn_is_answered(client
         truncated = _until(conn, "conversation.item.truncated")[-1]
         assert truncated.item_id == answer_item.id and 0 <= truncated.audio_end_ms <= sent_ms
         _wait_engine_empty(omni_server, api_key)                    # every stage let it go
-        assert _metric(omni_server, api_key, "omnistage_requests_aborted_total") == aborted + 1
+        assert metric(omni_server, "omnistage_requests_aborted_total", api_key) == aborted + 1
         _append(conn, pcm[head:])
         answered = _until(conn, "response.done")                    # the new turn
         kinds = [e.type for e in answered]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +16,7 @@ import openai
 import pytest
 
 from omnistage.entrypoints.model_source import tiny_checkpoint
+from tests.server.conftest import metric
 
 FAST = {"num_inference_steps": 2, "seed": 1}
 DEADLINE_S = 60
@@ -67,11 +67,6 @@ def _frames(mp4: bytes) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in box.decode(video=0)])
 
 
-def _metric(base: str, key: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10).text
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE).group(1))
-
-
 STAGE_REQUESTS = 'omnistage_stage_requests{stage="diffusion"}'
 ABORTED = "omnistage_requests_aborted_total"
 
@@ -98,7 +93,7 @@ def test_seconds_set_the_frame_count(client):
 
 
 def test_delete_during_the_run_frees_the_engine(client, video_server, api_key):
-    aborted = _metric(video_server, api_key, ABORTED)
+    aborted = metric(video_server, ABORTED, api_key)
     video = client.videos.create(prompt="a long one", size="64x64",     # ~8 s of denoising
                                  extra_body={"num_inference_steps": 1000, "num_frames": 17, "seed": 3})
     running, _ = _wait(client, video.id, until=("in_progress", "completed", "failed"))
@@ -108,10 +103,10 @@ def test_delete_during_the_run_frees_the_engine(client, video_server, api_key):
     deleted = client.videos.delete(video.id)
     assert deleted.deleted and deleted.id == video.id
     deadline = time.monotonic() + 10
-    while _metric(video_server, api_key, STAGE_REQUESTS) != 0:   # the abort reaches the engine thread
+    while metric(video_server, STAGE_REQUESTS, api_key) != 0:   # the abort reaches the engine thread
         assert time.monotonic() < deadline, "the stage still holds the deleted job"
         time.sleep(0.05)
-    assert _metric(video_server, api_key, ABORTED) == aborted + 1
+    assert metric(video_server, ABORTED, api_key) == aborted + 1
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(video.id)
 

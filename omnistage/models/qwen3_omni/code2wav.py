@@ -43,7 +43,6 @@ from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
 from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel
 from omnistage.layers import conv_products
 from omnistage.layers.activations import gelu
-from omnistage.layers.conv_products import TapMatrix
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.native_kernel import ParameterState, attach_kernel
@@ -129,9 +128,10 @@ class Code2WavConfig:
 #
 # The convolution stack runs time-major: activations (B, L, C) (a 16-channel 1x1 convolution
 # at 24 kHz ran 2-3x slower in PyTorch's default layout, and every layer paid oneDNN's
-# reorders both ways). The convolutions are matrix products (layers/conv_products.py) and
-# the residual units a native pass where it builds (use_native_units): no oneDNN primitive
-# per input shape, which a stream of windows of ever new lengths kept making.
+# reorders both ways). No convolution runs in oneDNN, which made and kept a primitive per
+# input shape, and a stream's windows bring ever new lengths: the residual units are one
+# native pass each (use_native_units), the other convolutions the native time-major kernel
+# (use_native_convolutions) where it serves them, else matrix products (layers/conv_products.py).
 
 class CausalStep(Protocol):
     """A layer of the causal convolution stack, time-major (B, L, C) -> (B, L * scale, C'):
@@ -182,7 +182,7 @@ class CausalConv(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.reach = (kernel - 1) * dilation
-        self.taps = TapMatrix()
+        self.taps = conv_products.TapMatrix()
         self._packed: tuple[ParameterState, PackedConv | PackedDepthwise | None] | None = None
 
     scale = 1
@@ -229,7 +229,7 @@ class TrimmedTransposedConv(nn.Module):
             raise ValueError(f"code2wav's transposed convolutions have kernel = stride or 2 x stride; "
                              f"got kernel {kernel}, stride {stride}")
         self.scale = stride
-        self.taps = TapMatrix()
+        self.taps = conv_products.TapMatrix()
         self._packed: tuple[ParameterState, PackedConv | None] | None = None
 
     def needs_from(self, out_from: int) -> int:
