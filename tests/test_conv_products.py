@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers.conv_products import (TapMatrix, causal_conv1d, supports_transposed,
-                                            trimmed_conv_transpose1d)
+from omnistage.kernels.conv1d_tm import is_trimmed_transposed
+from omnistage.layers.conv_products import TapMatrix, causal_conv1d, trimmed_conv_transpose1d
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -93,6 +93,6 @@ def test_what_it_does_not_take_is_refused():
     with pytest.raises(ValueError, match="one group or depthwise"):
         causal_conv1d(nn.Conv1d(8, 8, 3, groups=2), x, TapMatrix())
     odd = nn.ConvTranspose1d(8, 8, 3, stride=2)
-    assert not supports_transposed(odd)
+    assert not is_trimmed_transposed(odd)
     with pytest.raises(ValueError, match="kernel = stride or 2 x stride"):
         trimmed_conv_transpose1d(odd, x, TapMatrix())

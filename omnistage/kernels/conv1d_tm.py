@@ -23,6 +23,14 @@ COLUMN_MULTIPLE = 16           # the kernel's register tiles take 16 output chan
 MAX_WEIGHT_BYTES = 512 * 1024
 
 
+def is_trimmed_transposed(conv: nn.ConvTranspose1d) -> bool:
+    """Whether `conv` has the form a vocoder's trimmed transposed convolutions take here: one
+    group, no dilation or output padding, kernel = stride s or 2s (s samples trimmed from each
+    end by the 2s one)."""
+    k, s = conv.kernel_size[0], conv.stride[0]
+    return conv.groups == 1 and conv.dilation[0] == 1 and conv.output_padding[0] == 0 and k in (s, 2 * s)
+
+
 @dataclass(frozen=True)
 class PackedConv:
     """One convolution's parameters in the kernel's layout (float32, contiguous, CPU)."""
@@ -58,7 +66,7 @@ class PackedConv:
         x[m] alone. ValueError for any other convolution."""
         cin, cout, k = conv.weight.shape
         s = conv.stride[0]
-        if conv.groups != 1 or conv.dilation[0] != 1 or conv.output_padding[0] != 0 or k not in (s, 2 * s):
+        if not is_trimmed_transposed(conv):
             raise ValueError(f"a transposed convolution the time-major kernel takes has one group, no "
                              f"dilation and kernel = stride or 2 x stride; got kernel {k}, stride {s}, "
                              f"groups {conv.groups}")
@@ -142,8 +150,7 @@ class TimeMajorConvKernel:
         cin, cout, k = conv.weight.shape
         s = conv.stride[0]
         cp = -(-s * cout // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-        return (conv.groups == 1 and conv.dilation[0] == 1 and conv.output_padding[0] == 0
-                and k in (s, 2 * s) and (k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES)
+        return is_trimmed_transposed(conv) and (k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
     def supports(x: torch.Tensor, conv: PackedConv) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from omnistage.kernels.conv1d_tm import is_trimmed_transposed
 from omnistage.layers.native_kernel import ParameterState
 
 
@@ -64,7 +65,7 @@ def trimmed_conv_transpose1d(conv: nn.ConvTranspose1d, x: torch.Tensor, taps: Ta
     from each end, over time-major x (B, L, Cin) -> (B, L * s - (k - s), Cout). `taps`: the
     conv's TapMatrix. ValueError for another kernel, grouping or dilation."""
     k, s, cout = conv.kernel_size[0], conv.stride[0], conv.out_channels
-    if not supports_transposed(conv):
+    if not is_trimmed_transposed(conv):
         raise ValueError(f"a transposed convolution as products takes one group, no dilation and "
                          f"kernel = stride or 2 x stride; got kernel {k}, stride {s}, groups "
                          f"{conv.groups}, dilation {conv.dilation[0]}")
@@ -76,12 +77,6 @@ def trimmed_conv_transpose1d(conv: nn.ConvTranspose1d, x: torch.Tensor, taps: Ta
         z = z.view(b, n, 2, s * cout)
         y = (z[:, :-1, 1] + z[:, 1:, 0]).view(b, (n - 1) * s, cout)
     return y if conv.bias is None else y.add_(conv.bias)
-
-
-def supports_transposed(conv: nn.ConvTranspose1d) -> bool:
-    """Whether trimmed_conv_transpose1d takes `conv`."""
-    k, s = conv.kernel_size[0], conv.stride[0]
-    return conv.groups == 1 and conv.dilation[0] == 1 and conv.output_padding[0] == 0 and k in (s, 2 * s)
 
 
 def _shifted_sum(z: torch.Tensor, dilation: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -40,7 +40,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
-from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel
+from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel, is_trimmed_transposed
 from omnistage.layers import conv_products
 from omnistage.layers.activations import gelu
 from omnistage.layers.norm import RMSNorm
@@ -225,7 +225,7 @@ class TrimmedTransposedConv(nn.Module):
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
-        if not conv_products.supports_transposed(self.conv):
+        if not is_trimmed_transposed(self.conv):
             raise ValueError(f"code2wav's transposed convolutions have kernel = stride or 2 x stride; "
                              f"got kernel {kernel}, stride {stride}")
         self.scale = stride
