@@ -1,6 +1,6 @@
-"""The time-major 1-D convolution as one native pass (kernels/conv1d_tm.c) against oneDNN's
-(layers/time_major.conv1d), its depthwise form and trimmed transposed convolutions as its
-phases against PyTorch's, and BigVGAN's AMP blocks on it."""
+"""The time-major 1-D convolution as one native pass (kernels/conv1d_tm.c) against PyTorch's
+(oneDNN's), its depthwise form and transposed convolutions as its phases against PyTorch's,
+and BigVGAN's AMP blocks on it."""
 
 from __future__ import annotations
 
@@ -9,14 +9,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel
-from omnistage.layers import time_major
+from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, PackedTransposed, TimeMajorConvKernel
 from omnistage.models.qwen2_5_omni.bigvgan import AMPBlock, use_native_activations
 
 
 @pytest.fixture(scope="module")
 def kernel():
     return TimeMajorConvKernel()
+
+
+def reference(c: nn.Conv1d, x: torch.Tensor, padding: int | None = None) -> torch.Tensor:
+    """PyTorch's convolution of time-major x (B, L, Cin), `padding` both ends (default the
+    module's) -> (B, L', Cout)."""
+    pad = c.padding[0] if padding is None else padding
+    return F.conv1d(x.transpose(1, 2), c.weight, c.bias, padding=pad, dilation=c.dilation[0]).transpose(1, 2)
 
 
 def conv(cin: int, cout: int, taps: int, dilation: int, seed: int, bias: bool = True) -> nn.Conv1d:
@@ -33,7 +39,7 @@ def test_native_equals_onednn(kernel, cin, cout, taps, dilation, length):
     c = conv(cin, cout, taps, dilation, seed=cin + length)
     x = torch.randn(3, length, cin, generator=torch.Generator().manual_seed(length)) * 2
     with torch.no_grad():
-        want = time_major.conv1d(c, x)
+        want = reference(c, x)
         got = kernel(x, PackedConv.of(c), c.padding[0])
     assert got.is_contiguous() and got.shape == want.shape
     # float32 sums of K * Cin products in another order than oneDNN's
@@ -46,7 +52,7 @@ def test_other_paddings_and_no_bias(kernel, padding):
     c = conv(24, 12, 7, 3, seed=padding, bias=False)
     x = torch.randn(2, 120, 24, generator=torch.Generator().manual_seed(padding))
     with torch.no_grad():
-        want = time_major.conv1d(c, x, padding=padding)
+        want = reference(c, x, padding)
         got = kernel(x, PackedConv.of(c), padding)
     torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
 
@@ -70,7 +76,7 @@ def test_strided_view_and_rows_alone(kernel):
     full = torch.randn(4, 530, 32, generator=torch.Generator().manual_seed(1))
     x = full[:, 9:-21]
     with torch.no_grad():
-        want = time_major.conv1d(c, x)
+        want = reference(c, x)
     got = kernel(x, packed, 9)
     torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
     for b in range(4):
@@ -93,8 +99,7 @@ def test_refuses_what_it_cannot_take(kernel):
     assert not TimeMajorConvKernel.serves(nn.Conv1d(384, 384, 11))
     assert not TimeMajorConvKernel.serves(nn.Conv1d(8, 8, 3, stride=2))
     wide = AMPBlock(384, 11, [1], torch.device("cpu"))
-    wide.kernel = kernel
-    assert wide.packed() == [None, None]
+    assert [run.packed() for run in wide.runs] == [None, None]
 
 
 def test_amp_block_on_the_kernel_equals_onednn_and_repacks_after_a_load():
@@ -121,7 +126,7 @@ def test_uneven_padding(kernel, left, right):
     c = conv(24, 20, 7, 1, seed=left, bias=True)
     x = torch.randn(2, 50, 24, generator=torch.Generator().manual_seed(right))
     with torch.no_grad():
-        both = time_major.conv1d(c, x, padding=max(left, right))
+        both = reference(c, x, max(left, right))
     got = kernel(x, PackedConv.of(c), left, right)
     assert got.shape == (2, 50 + left + right - 6, 20)
     skip = max(left, right) - left
@@ -146,24 +151,37 @@ def test_depthwise_equals_pytorch(kernel, channels, taps, dilation, length, left
         PackedDepthwise.of(nn.Conv1d(channels, channels, taps))
 
 
-# kernel = stride (nothing trimmed) and 2 x stride (stride trimmed from each end); columns
-# s * Cout below, at and past a 16-column block
-@pytest.mark.parametrize("cin,cout,stride,twice,length", [
-    (16, 8, 3, True, 50), (32, 16, 8, True, 7), (8, 4, 5, True, 2), (12, 6, 2, False, 9), (64, 32, 4, True, 100)])
-def test_transposed_as_phases_equals_pytorch(kernel, cin, cout, stride, twice, length):
+# code2wav's forms (kernel = stride, nothing cut; 2 x stride, stride cut from each end) and
+# BigVGAN's upsamplers (kernel 11 / 7 / 4, stride 5 / 3 / 2, (k - s) / 2 cut), and cuts of
+# whole blocks and more; columns s * Cout below, at and past a 16-column block; one step in
+@pytest.mark.parametrize("cin,cout,stride,k,cut,length", [
+    (16, 8, 3, 6, 3, 50), (32, 16, 8, 16, 8, 7), (8, 4, 5, 10, 5, 2), (12, 6, 2, 2, 0, 9), (64, 32, 4, 8, 4, 100),
+    (24, 12, 5, 11, 3, 40), (12, 6, 3, 7, 2, 1), (6, 3, 2, 4, 1, 33), (8, 8, 2, 4, 0, 5), (8, 5, 3, 7, 6, 4)])
+def test_transposed_as_phases_equals_pytorch(kernel, cin, cout, stride, k, cut, length):
     torch.manual_seed(cin + stride)
-    k = 2 * stride if twice else stride
-    c = nn.ConvTranspose1d(cin, cout, k, stride=stride)
+    c = nn.ConvTranspose1d(cin, cout, k, stride=stride, padding=cut)
     x = torch.randn(2, length, cin, generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
-        want = F.conv_transpose1d(x.transpose(1, 2), c.weight, c.bias, stride=stride,
-                                  padding=k - stride).transpose(1, 2)
-    packed = PackedConv.of_transposed(c)
-    assert TimeMajorConvKernel.serves_transposed(c) and packed.taps == k // stride
-    y = kernel(x, packed, 0)
-    got = y.view(2, y.shape[1] * stride, cout)
+        want = F.conv_transpose1d(x.transpose(1, 2), c.weight, c.bias, stride=stride, padding=cut).transpose(1, 2)
+    packed = PackedTransposed.of(c)
+    assert TimeMajorConvKernel.serves_transposed(c) and packed.phases.taps == -(-k // stride)
+    got = kernel.transposed(x, packed)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-6 * want.abs().max().item(), rtol=1e-5)
-    with pytest.raises(ValueError, match="kernel = stride or 2 x stride"):
-        PackedConv.of_transposed(nn.ConvTranspose1d(cin, cout, 3, stride=2))
+    # the cut can be given apart from the module's own padding (code2wav cuts by hand)
+    uncut = nn.ConvTranspose1d(cin, cout, k, stride=stride)
+    uncut.load_state_dict(c.state_dict())
+    torch.testing.assert_close(kernel.transposed(x, PackedTransposed.of(uncut, cut)), got, atol=0, rtol=0)
+
+
+def test_transposed_forms_it_does_not_take(kernel):
+    for bad in (nn.ConvTranspose1d(8, 8, 4, stride=2, padding=4), nn.ConvTranspose1d(8, 8, 4, stride=2, groups=2),
+                nn.ConvTranspose1d(8, 8, 4, stride=2, padding=1, output_padding=1),
+                nn.ConvTranspose1d(8, 8, 4, stride=2, dilation=2)):
+        assert not TimeMajorConvKernel.serves_transposed(bad)
+        with pytest.raises(ValueError, match="0 <= padding < kernel"):
+            PackedTransposed.of(bad)
     assert not TimeMajorConvKernel.serves_transposed(nn.ConvTranspose1d(512, 512, 16, stride=8))
+    # one input step of a kernel cutting a whole stride from each end gives no output
+    with pytest.raises(ValueError, match="give no output"):
+        kernel.transposed(torch.randn(1, 1, 8), PackedTransposed.of(nn.ConvTranspose1d(8, 4, 4, stride=2), 2))

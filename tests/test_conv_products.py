@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.conv1d_tm import is_trimmed_transposed
-from omnistage.layers.conv_products import TapMatrix, causal_conv1d, trimmed_conv_transpose1d
+from omnistage.layers.conv_products import TapMatrix, causal_conv1d, conv1d, conv_transpose1d
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -53,20 +52,37 @@ def test_depthwise_equals_pytorch(channels, dilation, length, bias):
         close(causal_conv1d(conv, x, TapMatrix()), causal_reference(conv, x))
 
 
-# kernel = stride (nothing cut) and kernel = 2 x stride (stride cut from each end); one step in
-@pytest.mark.parametrize("cin,cout,stride,twice,length,bias", [
-    (32, 32, 2, False, 10, True), (16, 8, 5, False, 1, False), (32, 16, 8, True, 12, True),
-    (8, 4, 3, True, 1, True), (12, 6, 4, True, 2, False), (16, 8, 5, True, 100, True)])
-def test_trimmed_transposed_equals_pytorch(cin, cout, stride, twice, length, bias):
+# symmetric and uneven padding (BigVGAN's windows pad by what they lack), one output step
+@pytest.mark.parametrize("cin,cout,taps,dilation,length,left,right,groups", [
+    (8, 6, 7, 1, 30, 3, 3, 1), (8, 8, 11, 5, 60, 25, 4, 1), (12, 12, 7, 3, 9, 0, 10, 1), (5, 1, 7, 1, 1, 3, 3, 1),
+    (16, 16, 7, 3, 40, 9, 2, 16)])
+def test_padded_equals_pytorch(cin, cout, taps, dilation, length, left, right, groups):
+    torch.manual_seed(cin + left)
+    conv = nn.Conv1d(cin, cout, taps, dilation=dilation, groups=groups)
+    x = randn(2, length, cin, seed=length)
+    with torch.no_grad():
+        want = F.conv1d(F.pad(x.transpose(1, 2), (left, right)), conv.weight, conv.bias,
+                        dilation=conv.dilation, groups=groups).transpose(1, 2)
+        close(conv1d(conv, x, TapMatrix(), left, right), want)
+
+
+# code2wav's forms (kernel = stride, nothing cut; 2 x stride, stride cut from each end, given
+# apart from the module's padding) and BigVGAN's upsamplers (module padding (k - s) / 2); one
+# step in, and one that gives no output
+@pytest.mark.parametrize("cin,cout,stride,kernel,cut,own,length,bias", [
+    (32, 32, 2, 2, 0, False, 10, True), (16, 8, 5, 5, 0, False, 1, False), (32, 16, 8, 16, 8, False, 12, True),
+    (8, 4, 3, 6, 3, False, 1, True), (12, 6, 4, 8, 4, False, 2, False), (16, 8, 5, 10, 5, False, 100, True),
+    (24, 12, 5, 11, 3, True, 40, True), (12, 6, 3, 7, 2, True, 1, True), (6, 3, 2, 4, 1, True, 33, False),
+    (8, 5, 3, 7, 6, True, 4, True)])
+def test_transposed_equals_pytorch(cin, cout, stride, kernel, cut, own, length, bias):
     torch.manual_seed(cin + stride)
-    kernel = 2 * stride if twice else stride
-    conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride, bias=bias)
+    conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride, padding=cut if own else 0, bias=bias)
     x = randn(3, length, cin, seed=length)
     with torch.no_grad():
         want = F.conv_transpose1d(x.transpose(1, 2), conv.weight, conv.bias, stride=stride,
-                                  padding=kernel - stride).transpose(1, 2)
-        got = trimmed_conv_transpose1d(conv, x, TapMatrix())
-    assert got.shape == (3, length * stride - (kernel - stride), cout)
+                                  padding=cut).transpose(1, 2)
+        got = conv_transpose1d(conv, x, TapMatrix(), None if own else cut)
+    assert got.shape == (3, (length - 1) * stride + kernel - 2 * cut, cout)
     close(got, want)
 
 
@@ -92,7 +108,9 @@ def test_what_it_does_not_take_is_refused():
         causal_conv1d(nn.Conv1d(8, 8, 3, stride=2), x, TapMatrix())
     with pytest.raises(ValueError, match="one group or depthwise"):
         causal_conv1d(nn.Conv1d(8, 8, 3, groups=2), x, TapMatrix())
-    odd = nn.ConvTranspose1d(8, 8, 3, stride=2)
-    assert not is_trimmed_transposed(odd)
-    with pytest.raises(ValueError, match="kernel = stride or 2 x stride"):
-        trimmed_conv_transpose1d(odd, x, TapMatrix())
+    with pytest.raises(ValueError, match="0 <= padding < kernel"):
+        conv_transpose1d(nn.ConvTranspose1d(8, 8, 3, stride=2, groups=2), x, TapMatrix())
+    with pytest.raises(ValueError, match="0 <= padding < kernel"):
+        conv_transpose1d(nn.ConvTranspose1d(8, 8, 3, stride=2), x, TapMatrix(), padding=3)
+    with pytest.raises(ValueError, match="at least one step"):
+        conv1d(nn.Conv1d(8, 8, 7), x, TapMatrix(), 0, 0)

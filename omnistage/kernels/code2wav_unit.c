@@ -125,17 +125,20 @@ static void conv(const float *in, int64_t tap, int taps, const float *w, const f
  * polynomial's range through libm, else they are ORed into *bad (and must be redone). */
 static inline __attribute__((always_inline)) void snake_step(const float *src, float *dst, int64_t c,
                                                             const float *f, const float *m,
-                                                            vi *bad, int exact) {
-    for (int64_t i = 0; i < c; i += LANES)
-        store(dst + i, exact ? snake_exact(load(src + i), load(f + i), load(m + i))
-                             : snake_fast(load(src + i), load(f + i), load(m + i), bad));
+                                                            lane_flags *bad, int exact) {
+    for (int64_t i = 0; i < c; i += LANES) {       /* if, not one ternary: see aa_snake.c */
+        if (exact)
+            store(dst + i, snake_exact(load(src + i), load(f + i), load(m + i)));
+        else
+            store(dst + i, snake_fast(load(src + i), load(f + i), load(m + i), bad));
+    }
 }
 
 /* dst rows [0, rows) = SnakeBeta of the steps t0 - lead + r of batch row xb (zeros outside
  * [0, length): a causal convolution's padding; snake(0) = 0 anyway). */
 static void snake_steps(const float *xb, int64_t stride_t, int64_t t0, int64_t lead, int64_t rows,
                         int64_t length, float *dst, int64_t c, const float *f, const float *m) {
-    vi bad = {0};
+    lane_flags bad = {0};
     for (int pass = 0; pass < 2; pass++) {        /* pass 1 only when pass 0 met such a lane */
         for (int64_t r = 0; r < rows; r++) {
             const int64_t t = t0 - lead + r;
@@ -144,7 +147,7 @@ static void snake_steps(const float *xb, int64_t stride_t, int64_t t0, int64_t l
             else
                 snake_step(xb + t * stride_t, dst + r * c, c, f, m, &bad, pass);
         }
-        if (!any_lane(bad))
+        if (!any_flagged(bad))
             return;
     }
 }

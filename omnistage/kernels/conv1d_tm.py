@@ -1,8 +1,7 @@
 """A stride-1 1-D convolution over time-major activations (B, L, C) as one native pass
 (conv1d_tm.c), its weights packed once: for vocoders' small channel counts, where oneDNN's
 per-call overheads outweigh the arithmetic; its depthwise form; and a transposed convolution
-of kernel = stride or 2 x stride (the edges trimmed) as such a convolution of 1 or 2 taps
-whose output channels are the stride's phases (PackedConv.of_transposed)."""
+as such a convolution whose output channels are the stride's phases (PackedTransposed)."""
 
 from __future__ import annotations
 
@@ -23,12 +22,18 @@ COLUMN_MULTIPLE = 16           # the kernel's register tiles take 16 output chan
 MAX_WEIGHT_BYTES = 512 * 1024
 
 
-def is_trimmed_transposed(conv: nn.ConvTranspose1d) -> bool:
-    """Whether `conv` has the form a vocoder's trimmed transposed convolutions take here: one
-    group, no dilation or output padding, kernel = stride s or 2s (s samples trimmed from each
-    end by the 2s one)."""
+def transposed_cut(conv: nn.ConvTranspose1d, padding: int | None = None) -> int:
+    """The outputs cut from each end of `conv` (`padding`, default the module's own) where the
+    phase form (PackedTransposed) and the products (layers/conv_products.py) take it: one
+    group, no dilation or output padding, 0 <= cut < kernel; a ValueError naming what else."""
     k, s = conv.kernel_size[0], conv.stride[0]
-    return conv.groups == 1 and conv.dilation[0] == 1 and conv.output_padding[0] == 0 and k in (s, 2 * s)
+    cut = conv.padding[0] if padding is None else padding
+    if conv.groups != 1 or conv.dilation[0] != 1 or conv.output_padding[0] != 0 or not 0 <= cut < k:
+        raise ValueError(f"a transposed convolution the time-major kernel or the products take has one "
+                         f"group, no dilation or output padding and 0 <= padding < kernel; got kernel {k}, "
+                         f"stride {s}, padding {cut}, groups {conv.groups}, dilation {conv.dilation[0]}, "
+                         f"output padding {conv.output_padding[0]}")
+    return cut
 
 
 @dataclass(frozen=True)
@@ -56,33 +61,6 @@ class PackedConv:
             bias[:cout] = conv.bias.detach().float().cpu()
         return cls(w, bias, cout, conv.dilation[0])
 
-    @classmethod
-    def of_transposed(cls, conv: nn.ConvTranspose1d) -> "PackedConv":
-        """`conv` (stride s, kernel s or 2s, one group, no dilation) with kernel - s outputs
-        trimmed from each end, as a convolution of x (B, L, Cin) with no padding giving
-        (B, L - taps + 1, s * Cout), which viewed (B, (L - taps + 1) * s, Cout) is the trimmed
-        transposed one. Output block m (s steps) of a 2s kernel mixes x[m] through the kernel's
-        second s taps and x[m + 1] through its first s (taps 0 and 1 here); of an s kernel,
-        x[m] alone. ValueError for any other convolution."""
-        cin, cout, k = conv.weight.shape
-        s = conv.stride[0]
-        if not is_trimmed_transposed(conv):
-            raise ValueError(f"a transposed convolution the time-major kernel takes has one group, no "
-                             f"dilation and kernel = stride or 2 x stride; got kernel {k}, stride {s}, "
-                             f"groups {conv.groups}")
-        w = conv.weight.detach().float().cpu()
-        blocks = [w[:, :, s:], w[:, :, :s]] if k == 2 * s else [w]      # tap 0 reads x[m]
-        n = s * cout
-        cp = -(-n // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-        packed = torch.zeros(len(blocks), cin, cp, dtype=torch.float32)
-        for tap, block in enumerate(blocks):
-            packed[tap, :, :n] = block.permute(0, 2, 1).reshape(cin, n)    # column r * Cout + o
-        bias = None
-        if conv.bias is not None:
-            bias = torch.zeros(cp, dtype=torch.float32)
-            bias[:n] = conv.bias.detach().float().cpu().repeat(s)
-        return cls(packed, bias, n, 1)
-
     @property
     def in_channels(self) -> int:
         return self.weight.shape[1]
@@ -90,6 +68,53 @@ class PackedConv:
     @property
     def taps(self) -> int:
         return self.weight.shape[0]
+
+
+@dataclass(frozen=True)
+class PackedTransposed:
+    """A transposed convolution (stride s, kernel k, `cut` outputs cut from each end) as a
+    stride-1 convolution of T = ceil(k / s) taps whose s * Cout output channels are the
+    stride's phases. Its uncut output step j = q * s + r sums inputs i = q - e through kernel
+    tap e * s + r (e = 0 .. T - 1, taps past k zero), so block q of s steps reads x[q - T + 1 ..
+    q]: packed tap t is e = T - 1 - t, column r * Cout + o. Only the blocks the cut leaves are
+    computed (plan): a 2s kernel cutting s from each end is 2 taps over x with no padding, a
+    BigVGAN upsampler (k = 11, s = 5, cut 3) 3 taps, one block more than kept."""
+
+    phases: PackedConv             # (T, Cin, Cp)
+    stride: int
+    kernel: int
+    cut: int
+    out_channels: int
+
+    @classmethod
+    def of(cls, conv: nn.ConvTranspose1d, padding: int | None = None) -> "PackedTransposed":
+        """`conv` with `padding` (default the module's own) outputs cut from each end packed;
+        a ValueError for a form it does not take (transposed_cut)."""
+        cut = transposed_cut(conv, padding)
+        cin, cout, k = conv.weight.shape
+        s = conv.stride[0]
+        taps, n = -(-k // s), s * cout
+        w = torch.zeros(cin, cout, taps * s, dtype=torch.float32)
+        w[:, :, :k] = conv.weight.detach().float().cpu()
+        blocks = w.view(cin, cout, taps, s).permute(2, 0, 3, 1).flip(0)    # (t, Cin, r, Cout)
+        cp = -(-n // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+        packed = torch.zeros(taps, cin, cp, dtype=torch.float32)
+        packed[:, :, :n] = blocks.reshape(taps, cin, n)
+        bias = None
+        if conv.bias is not None:
+            bias = torch.zeros(cp, dtype=torch.float32)
+            bias[:n] = conv.bias.detach().float().cpu().repeat(s)
+        return cls(PackedConv(packed, bias, n, 1), s, k, cut, cout)
+
+    def plan(self, length: int) -> tuple[int, int, int, int]:
+        """For x of `length` steps: (left, right, first, steps): the phase convolution's zero
+        steps before and after x, and the outputs kept of its output read (B, blocks * s,
+        Cout): [first, first + steps). It starts at block cut // s (left = T - 1 - that) and
+        ends at the block holding the last kept step (right = ceil((k - s - cut) / s))."""
+        s, k, cut = self.stride, self.kernel, self.cut
+        skipped = cut // s
+        right = -((s + cut - k) // s)
+        return self.phases.taps - 1 - skipped, right, cut - skipped * s, (length - 1) * s + k - 2 * cut
 
 
 @dataclass(frozen=True)
@@ -144,13 +169,17 @@ class TimeMajorConvKernel:
         return conv.stride[0] == 1 and conv.groups == 1 and taps * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
-    def serves_transposed(conv: nn.ConvTranspose1d) -> bool:
-        """Whether PackedConv.of_transposed takes `conv` and its packed weights are at most
-        MAX_WEIGHT_BYTES."""
+    def serves_transposed(conv: nn.ConvTranspose1d, padding: int | None = None) -> bool:
+        """Whether PackedTransposed takes `conv` (with `padding`, default its own) and its packed
+        weights are at most MAX_WEIGHT_BYTES."""
+        try:
+            transposed_cut(conv, padding)
+        except ValueError:
+            return False
         cin, cout, k = conv.weight.shape
         s = conv.stride[0]
         cp = -(-s * cout // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
-        return is_trimmed_transposed(conv) and (k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES
+        return -(-k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
     def supports(x: torch.Tensor, conv: PackedConv) -> bool:
@@ -180,6 +209,17 @@ class TimeMajorConvKernel:
                     conv.taps, conv.dilation, padding, right) != 0:
             raise MemoryError("time-major convolution kernel: no memory for its scratch")
         return y
+
+    def transposed(self, x: torch.Tensor, conv: PackedTransposed) -> torch.Tensor:
+        """x (B, L, Cin) as `supports` takes it for conv.phases -> the transposed convolution's
+        (B, (L - 1) s + k - 2 cut, Cout) (a view of the phase convolution's output; at least
+        one step: a ValueError otherwise)."""
+        left, right, first, steps = conv.plan(x.shape[1])
+        if steps < 1:
+            raise ValueError(f"time-major transposed convolution: {x.shape[1]} input steps give no "
+                             f"output (kernel {conv.kernel}, stride {conv.stride}, cut {conv.cut})")
+        y = self(x, conv.phases, left, right)                   # (B, blocks, s * Cout)
+        return y.view(y.shape[0], -1, conv.out_channels)[:, first:first + steps]
 
     def depthwise(self, x: torch.Tensor, conv: PackedDepthwise, left: int, right: int = 0) -> torch.Tensor:
         """x (B, L, C) float32 on the CPU with unit-stride channels, `left` zero steps before

@@ -21,11 +21,14 @@
 static inline __attribute__((always_inline)) int snake_span(const float *x, float *y, const float *f,
                                                            const float *m, int64_t n, int64_t f_step,
                                                            int exact) {
-    vi bad = {0};
+    lane_flags bad = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
         const vf vf_ = f_step ? load(f + i) : splat(*f), vm = f_step ? load(m + i) : splat(*m);
-        store(y + i, exact ? snake_exact(load(x + i), vf_, vm) : snake_fast(load(x + i), vf_, vm, &bad));
+        if (exact)                     /* if, not one ternary: see aa_snake.c */
+            store(y + i, snake_exact(load(x + i), vf_, vm));
+        else
+            store(y + i, snake_fast(load(x + i), vf_, vm, &bad));
     }
     if (i < n) {                       /* the tail through the same lanes: one formula */
         float bx[LANES] = {0}, bf[LANES] = {0}, bm[LANES] = {0};
@@ -39,7 +42,7 @@ static inline __attribute__((always_inline)) int snake_span(const float *x, floa
                         : snake_fast(load(bx), load(bf), load(bm), &bad));
         memcpy(y + i, bx, (size_t)tail * sizeof(float));
     }
-    return any_lane(bad);
+    return any_flagged(bad);
 }
 
 /* x: B x C rows of L samples, row (b, c) at x + b * stride_b + c * stride_c (in floats);

@@ -11,17 +11,19 @@ float rounding: the sums run in another order), on any device.
 
 Shapes. A convolution's weight is read as one matrix (Cin, taps * Cout) (TapMatrix); x
 (B * L, Cin) times it gives every tap's contribution of every input step, z (B, L, taps, Cout).
-Output step t of a causal convolution sums tap j of input t - (taps - 1 - j) * dilation: z's
-taps read as shifted slices. A transposed convolution of stride s gives every input step s
-output steps per block of s taps: with kernel s that is z itself; with kernel 2s and s outputs
-cut from each end, output block m is tap block 1 of input m plus tap block 0 of input m + 1."""
+Output step t of a stride-1 convolution with `left` zero steps before x sums tap j of input
+t - left + j * dilation: z's taps read as shifted slices. A transposed convolution of stride s
+gives input step i's tap e * s + r to output step (i + e) * s + r before the cut: z's blocks of
+s taps added at shifted blocks, then the cut steps dropped."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from omnistage.kernels.conv1d_tm import is_trimmed_transposed
+from omnistage.kernels.conv1d_tm import transposed_cut
 from omnistage.layers.native_kernel import ParameterState
 
 
@@ -42,65 +44,77 @@ class TapMatrix:
         return self._derived[1]
 
 
-def causal_conv1d(conv: nn.Conv1d, x: torch.Tensor, taps: TapMatrix) -> torch.Tensor:
-    """`conv` (stride 1; one group, or depthwise) over time-major x (B, L, Cin), left-padded
-    with zeros by its reach (kernel - 1) * dilation -> (B, L, Cout): output t reads inputs
-    t - reach .. t. `taps`: the conv's TapMatrix (unused for a depthwise one). ValueError for a
-    stride or grouping it does not take."""
-    if conv.stride[0] != 1:
-        raise ValueError(f"a causal convolution as products takes stride 1; got {conv.stride[0]}")
+def conv1d(conv: nn.Conv1d, x: torch.Tensor, taps: TapMatrix, left: int, right: int = 0) -> torch.Tensor:
+    """`conv` (stride 1; one group, or depthwise) over time-major x (B, L, Cin) with `left` zero
+    steps before it and `right` after -> (B, L + left + right - reach, Cout), reach = (kernel
+    - 1) * dilation: output t reads inputs t - left .. t - left + reach. `taps`: the conv's
+    TapMatrix (unused for a depthwise one). ValueError for a stride or grouping it does not
+    take, or no output step."""
+    reach = (conv.kernel_size[0] - 1) * conv.dilation[0]
+    out_len = x.shape[1] + left + right - reach
+    if conv.stride[0] != 1 or left < 0 or right < 0 or out_len < 1:
+        raise ValueError(f"a convolution as products takes stride 1 and gives at least one step; got "
+                         f"stride {conv.stride[0]}, {x.shape[1]} steps, padding {left} / {right}, "
+                         f"reach {reach}")
+    b, n, cin = x.shape
     if conv.groups == 1:
-        b, n, cin = x.shape
-        k, cout = conv.kernel_size[0], conv.out_channels
-        z = (x.reshape(b * n, cin) @ taps(conv)).view(b, n, k, cout)
-        return _shifted_sum(z, conv.dilation[0], conv.bias)
+        z = (x.reshape(b * n, cin) @ taps(conv)).view(b, n, conv.kernel_size[0], conv.out_channels)
+        y = _start(z, out_len, conv.bias)
+        for j, lo, hi, shift in _tap_spans(conv, left, n, out_len):
+            y[:, lo:hi] += z[:, lo - shift:hi - shift, j]
+        return y
     if conv.groups == conv.in_channels == conv.out_channels:
-        return _depthwise(conv, x)
-    raise ValueError(f"a causal convolution as products takes one group or depthwise; got "
+        w, y = conv.weight[:, 0], _start(x, out_len, conv.bias)      # w (C, taps)
+        for j, lo, hi, shift in _tap_spans(conv, left, n, out_len):
+            y[:, lo:hi].addcmul_(x[:, lo - shift:hi - shift], w[:, j])
+        return y
+    raise ValueError(f"a convolution as products takes one group or depthwise; got "
                      f"{conv.groups} groups of {conv.in_channels} -> {conv.out_channels} channels")
 
 
-def trimmed_conv_transpose1d(conv: nn.ConvTranspose1d, x: torch.Tensor, taps: TapMatrix) -> torch.Tensor:
-    """`conv` (kernel k = s or 2s for stride s; one group, no dilation) with k - s outputs cut
-    from each end, over time-major x (B, L, Cin) -> (B, L * s - (k - s), Cout). `taps`: the
-    conv's TapMatrix. ValueError for another kernel, grouping or dilation."""
+def causal_conv1d(conv: nn.Conv1d, x: torch.Tensor, taps: TapMatrix) -> torch.Tensor:
+    """conv1d left-padded by its reach: (B, L, Cin) -> (B, L, Cout), output t reads inputs
+    t - reach .. t."""
+    return conv1d(conv, x, taps, (conv.kernel_size[0] - 1) * conv.dilation[0])
+
+
+def conv_transpose1d(conv: nn.ConvTranspose1d, x: torch.Tensor, taps: TapMatrix,
+                     padding: int | None = None) -> torch.Tensor:
+    """`conv` (one group, no dilation or output padding) with `padding` (default its own)
+    outputs cut from each end, over time-major x (B, L, Cin) -> (B, (L - 1) s + k - 2 padding,
+    Cout). `taps`: the conv's TapMatrix. ValueError for a form it does not take
+    (kernels/conv1d_tm.transposed_cut)."""
+    cut = transposed_cut(conv, padding)
     k, s, cout = conv.kernel_size[0], conv.stride[0], conv.out_channels
-    if not is_trimmed_transposed(conv):
-        raise ValueError(f"a transposed convolution as products takes one group, no dilation and "
-                         f"kernel = stride or 2 x stride; got kernel {k}, stride {s}, groups "
-                         f"{conv.groups}, dilation {conv.dilation[0]}")
     b, n, cin = x.shape
-    z = x.reshape(b * n, cin) @ taps(conv)                           # (B * L, k * Cout)
-    if k == s:
-        y = z.view(b, n * s, cout)
-    else:
-        z = z.view(b, n, 2, s * cout)
-        y = (z[:, :-1, 1] + z[:, 1:, 0]).view(b, (n - 1) * s, cout)
-    return y if conv.bias is None else y.add_(conv.bias)
+    steps = max((n - 1) * s + k - 2 * cut, 0)
+    first, end = cut // s, -(-(cut + steps) // s)                  # the blocks holding kept steps
+    z = (x.reshape(b * n, cin) @ taps(conv)).view(b, n, k, cout)
+    y = z.new_zeros(b, max(end - first, 0), s, cout)
+    for e in range(-(-k // s)):                 # input i's taps e*s .. reach block i + e
+        width = min(s, k - e * s)
+        lo, hi = max(e, first), min(n + e, end)
+        if lo < hi:
+            y[:, lo - first:hi - first, :width] += z[:, lo - e:hi - e, e * s:e * s + width]
+    y = y.view(b, -1, cout)[:, cut - first * s:cut - first * s + steps]
+    return y if conv.bias is None else y + conv.bias
 
 
-def _shifted_sum(z: torch.Tensor, dilation: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """z (B, L, taps, Cout) -> y (B, L, Cout), y[t] = bias + sum_j z[t - (taps - 1 - j) *
-    dilation, j] (terms before step 0 are the zero padding's: left out)."""
-    n, taps = z.shape[1], z.shape[2]
-    y = z[:, :, taps - 1].clone() if bias is None else z[:, :, taps - 1] + bias
-    for j in range(taps - 1):
-        shift = (taps - 1 - j) * dilation
-        if shift < n:
-            y[:, shift:] += z[:, :n - shift, j]
-    return y
+def _start(like: torch.Tensor, out_len: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """(B, out_len, C) of `like`'s rows, dtype and device, holding the bias (or zeros), C the
+    bias's length or like's last dimension."""
+    c = like.shape[-1] if bias is None else bias.shape[0]
+    if bias is None:
+        return like.new_zeros(like.shape[0], out_len, c)
+    return bias.to(like.dtype).expand(like.shape[0], out_len, c).clone()
 
 
-def _depthwise(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-    """A depthwise causal convolution: y[t, c] = bias[c] + sum_j w[c, j] x[t - (taps - 1 - j) *
-    dilation, c]; one multiply-add of x's shifted slices per tap."""
-    w = conv.weight[:, 0]                                            # (C, taps)
-    taps, d, n = w.shape[1], conv.dilation[0], x.shape[1]
-    y = x * w[:, taps - 1]
-    if conv.bias is not None:
-        y += conv.bias
-    for j in range(taps - 1):
-        shift = (taps - 1 - j) * d
-        if shift < n:
-            y[:, shift:].addcmul_(x[:, :n - shift], w[:, j])
-    return y
+def _tap_spans(conv: nn.Conv1d, left: int, n: int, out_len: int) -> Iterator[tuple[int, int, int, int]]:
+    """(tap j, lo, hi, shift) per tap: outputs [lo, hi) read inputs [lo - shift, hi - shift)
+    through tap j (output t reads input t - left + j * dilation; the other inputs a tap would
+    read are the zero padding's, left out)."""
+    for j in range(conv.kernel_size[0]):
+        shift = left - j * conv.dilation[0]
+        lo, hi = max(shift, 0), min(out_len, n + shift)
+        if lo < hi:
+            yield j, lo, hi, shift

@@ -13,13 +13,13 @@ frame layers read, but the 24 kHz layers reach a fraction of a frame: run whole,
 chunk cost 120 frames at every layer (small checkpoint, 8 windows of 48 + 72 frames: 152 ms
 whole, 90 ms for the 48 new frames; of 288 + 72: 477 against 412 ms).
 
-Inside, every layer runs time-major (layers/time_major.py): activations (B, L, C), each
-convolution fed the channels-last view. The anti-aliased activations' depthwise resampling
-filters ran 3-9x slower in PyTorch's (B, C, L) layout (oneDNN reordered every input and output),
-and the vocoder's regular convolutions 10-20% slower. The AMP blocks' convolutions run in a
-native kernel where it serves them (use_native_convolutions, kernels/conv1d_tm.c): oneDNN makes
-a primitive (JIT) for every new (batch, length), and a stream's windows, batches and tails keep
-making new ones; with steady shapes the two are even.
+Inside, every layer runs time-major (layers/time_major.py): activations (B, L, C). The
+anti-aliased activations' depthwise resampling filters ran 3-9x slower in PyTorch's (B, C, L)
+layout (oneDNN reordered every input and output). No convolution runs in oneDNN, which makes and
+keeps a primitive (JIT) for every new (batch, length), and a stream's windows, batches and tails
+keep making new ones: they run in a native kernel where it serves them (use_native_convolutions,
+kernels/conv1d_tm.c; the upsamplers as convolutions whose output channels are the stride's
+phases), else as matrix products.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.aa_snake import AntiAliasedSnakeKernel
-from omnistage.kernels.conv1d_tm import PackedConv, TimeMajorConvKernel
+from omnistage.kernels.conv1d_tm import TimeMajorConvKernel
 from omnistage.layers import time_major
-from omnistage.layers.native_kernel import ParameterState, attach_kernel
+from omnistage.layers.time_major import TimeMajorConv
+from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
 
 # The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
@@ -64,15 +65,15 @@ def conv_needs(conv: nn.Conv1d, lo: int, hi: int, length: int) -> tuple[int, int
     return _clamp(lo - p, hi - p + span, length)
 
 
-def conv_part(conv: nn.Conv1d, x: torch.Tensor, x_lo: int, lo: int, hi: int, length: int) -> torch.Tensor:
-    """The convolution's outputs [lo, hi): its read range's steps (zeros where that range
-    leaves the window) convolved without the module's own padding."""
+def conv_part(run: TimeMajorConv, kernel: TimeMajorConvKernel | None, x: torch.Tensor, x_lo: int,
+              lo: int, hi: int, length: int) -> torch.Tensor:
+    """The convolution's outputs [lo, hi): its read range's steps with zeros where that range
+    leaves the window (the module's own padding is not used)."""
+    conv = run.conv
     p, span = conv.padding[0], (conv.kernel_size[0] - 1) * conv.dilation[0]
     s, e = conv_needs(conv, lo, hi, length)
-    pad = max(s - (lo - p), (hi - p + span) - e)   # zeros for the range outside the window
-    y = time_major.conv1d(conv, x[:, s - x_lo:e - x_lo], padding=pad)
-    first = lo - (s - pad + p)                     # output row o is step s - pad + p + o
-    return y[:, first:first + hi - lo]
+    # output row o is step s - left + p + o: the first is lo
+    return run(x[:, s - x_lo:e - x_lo], kernel, s - (lo - p), (hi - p + span) - e)
 
 
 def up_needs(up: nn.ConvTranspose1d, lo: int, hi: int, length: int) -> tuple[int, int]:
@@ -82,12 +83,13 @@ def up_needs(up: nn.ConvTranspose1d, lo: int, hi: int, length: int) -> tuple[int
     return _clamp(-((k - 1 - pad - lo) // u), (hi - 1 + pad) // u + 1, length)
 
 
-def up_part(up: nn.ConvTranspose1d, x: torch.Tensor, x_lo: int, lo: int, hi: int, length: int) -> torch.Tensor:
+def up_part(run: TimeMajorConv, kernel: TimeMajorConvKernel | None, x: torch.Tensor, x_lo: int,
+            lo: int, hi: int, length: int) -> torch.Tensor:
     """The transposed convolution's outputs [lo, hi) (output row o of input steps from s is
     step s * stride + o; the outputs near a cut edge, which miss inputs, are not among them)."""
-    s, e = up_needs(up, lo, hi, length)
-    y = time_major.conv_transpose1d(up, x[:, s - x_lo:e - x_lo])
-    first = lo - s * up.stride[0]
+    s, e = up_needs(run.conv, lo, hi, length)
+    y = run(x[:, s - x_lo:e - x_lo], kernel)
+    first = lo - s * run.conv.stride[0]
     return y[:, first:first + hi - lo]
 
 
@@ -172,32 +174,15 @@ class AMPBlock(nn.Module):
                                     for _ in dilations)
         self.activations = nn.ModuleList(AntiAliasedSnake(channels, device)
                                          for _ in range(2 * len(dilations)))
-        self._packed: tuple[ParameterState, list[PackedConv | None]] | None = None
+        # convs1[i] at 2i, convs2[i] at 2i + 1
+        self.runs = [TimeMajorConv(c) for pair in zip(self.convs1, self.convs2) for c in pair]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, (conv1, conv2) in enumerate(zip(self.convs1, self.convs2)):
-            y = self._conv(2 * i, conv1, self.activations[2 * i](x))
-            x = x + self._conv(2 * i + 1, conv2, self.activations[2 * i + 1](y))
+            p1, p2 = conv1.padding[0], conv2.padding[0]                 # symmetric
+            y = self.runs[2 * i](self.activations[2 * i](x), self.kernel, p1, p1)
+            x = x + self.runs[2 * i + 1](self.activations[2 * i + 1](y), self.kernel, p2, p2)
         return x
-
-    def _conv(self, j: int, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """Convolution j (convs1[i] is 2i, convs2[i] 2i + 1) over x, natively where it can."""
-        if self.kernel is not None:
-            packed = self.packed()[j]
-            if packed is not None and self.kernel.supports(x, packed):
-                return self.kernel(x, packed, conv.padding[0])
-        return time_major.conv1d(conv, x)
-
-    def packed(self) -> list[PackedConv | None]:
-        """The convolutions in the native kernel's layout (convs1[i] at 2i, convs2[i] at
-        2i + 1; None for those it does not serve, TimeMajorConvKernel.serves), packed again
-        after any parameter changed (ParameterState)."""
-        convs = [c for pair in zip(self.convs1, self.convs2) for c in pair]
-        params = [p for c in convs for p in c.parameters()]
-        if self._packed is None or not self._packed[0].matches(params):
-            self._packed = (ParameterState.of(params),
-                            [PackedConv.of(c) if TimeMajorConvKernel.serves(c) else None for c in convs])
-        return self._packed[1]
 
     @property
     def reach(self) -> int:
@@ -207,17 +192,26 @@ class AMPBlock(nn.Module):
 
 
 def use_native_convolutions(model: nn.Module) -> int:
-    """Run the convolutions of every AMPBlock of `model` in the native time-major kernel
-    (kernels/conv1d_tm.c) where it builds: float32 CPU activations and weights it serves well
-    (TimeMajorConvKernel.serves); others keep oneDNN. Four streams of 200-400 codes through
-    the small checkpoint's vocoder stage (2 cores, Intel Xeon; a new shape every tail, as in
-    serving): BigVGAN 1.46-1.73 -> 0.82-1.07 s a round, the stage 5.8-7.0 -> 7.2-8.2 audio-s
-    per wall-s; values within float rounding of oneDNN's (6.4e-7).
-    -> how many blocks took it (0: it did not build)."""
-    return attach_kernel(model, AMPBlock, TimeMajorConvKernel, "BigVGAN's AMP-block convolutions")
+    """Run the convolutions of every BigVGAN of `model` (conv_pre, the upsamplers as their
+    phases' convolutions, the AMP blocks', conv_post) in the native time-major kernel
+    (kernels/conv1d_tm.c) where it builds and serves them (float32 CPU activations, packed
+    weights up to its MAX_WEIGHT_BYTES); the others run as matrix products (layers/time_major.py),
+    never oneDNN. Four streams of 200-400 codes through the small checkpoint's vocoder stage (2
+    cores, Intel Xeon; a new shape every tail, as in serving), the AMP blocks' alone against
+    oneDNN: BigVGAN 1.46-1.73 -> 0.82-1.07 s a round. Weights packed here (TimeMajorConv.packed).
+    -> how many modules took it (0: it did not build)."""
+    took = (attach_kernel(model, AMPBlock, TimeMajorConvKernel, "BigVGAN's AMP-block convolutions")
+            + attach_kernel(model, BigVGAN, TimeMajorConvKernel, "BigVGAN's other convolutions"))
+    for m in model.modules():
+        if isinstance(m, (AMPBlock, BigVGAN)) and m.kernel is not None:
+            for run in m.runs:
+                run.packed()
+    return took
 
 
 class BigVGAN(nn.Module):
+    kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
+
     def __init__(self, c, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         device = torch.device(device)
@@ -237,6 +231,8 @@ class BigVGAN(nn.Module):
             out_ch = ch >> len(c.upsample_rates)
             self.activation_post = AntiAliasedSnake(out_ch, device)
             self.conv_post = nn.Conv1d(out_ch, 1, 7, padding=3, bias=False)
+        # conv_pre, ups[i] at 1 + i, conv_post (the AMP blocks run their own)
+        self.runs = [TimeMajorConv(c) for c in (self.conv_pre, *(up for (up,) in self.ups), self.conv_post)]
         self.to_empty(device=device)
         self.to(dtype)
 
@@ -290,13 +286,13 @@ class BigVGAN(nn.Module):
     def _steps(self) -> list[_Step]:
         """conv_pre; per resolution the transposed conv (x u) and the AMP blocks' mean; the
         final activation and conv_post."""
-        steps = [_Step(partial(conv_part, self.conv_pre), partial(conv_needs, self.conv_pre))]
+        steps = [_Step(partial(conv_part, self.runs[0], self.kernel), partial(conv_needs, self.conv_pre))]
         for i, (up,) in enumerate(self.ups):
             blocks = self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]
-            steps += [_Step(partial(up_part, up), partial(up_needs, up), up.stride[0]),
+            steps += [_Step(partial(up_part, self.runs[1 + i], self.kernel), partial(up_needs, up), up.stride[0]),
                       _Step(partial(_blocks_part, blocks), partial(_blocks_needs, blocks))]
         return steps + [_Step(partial(act_part, self.activation_post), act_needs),
-                        _Step(partial(conv_part, self.conv_post), partial(conv_needs, self.conv_post))]
+                        _Step(partial(conv_part, self.runs[-1], self.kernel), partial(conv_needs, self.conv_post))]
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.code2wav_unit import Code2WavUnitKernel, UnitWeights
-from omnistage.kernels.conv1d_tm import PackedConv, PackedDepthwise, TimeMajorConvKernel, is_trimmed_transposed
-from omnistage.layers import conv_products
+from omnistage.kernels.conv1d_tm import TimeMajorConvKernel
 from omnistage.layers.activations import gelu
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.native_kernel import ParameterState, attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
+from omnistage.layers.time_major import TimeMajorConv
 from omnistage.layers.weights import load_prefixed, require_complete
 
 CHECKPOINT_PREFIX = "code2wav."
@@ -131,7 +131,7 @@ class Code2WavConfig:
 # reorders both ways). No convolution runs in oneDNN, which made and kept a primitive per
 # input shape, and a stream's windows bring ever new lengths: the residual units are one
 # native pass each (use_native_units), the other convolutions the native time-major kernel
-# (use_native_convolutions) where it serves them, else matrix products (layers/conv_products.py).
+# (use_native_convolutions) where it serves them, else matrix products (layers/time_major.py).
 
 class CausalStep(Protocol):
     """A layer of the causal convolution stack, time-major (B, L, C) -> (B, L * scale, C'):
@@ -163,18 +163,12 @@ def run_causal(layers: Sequence[CausalStep], h: torch.Tensor, emit_from: int) ->
     return h[:, emit_from - at:]
 
 
-def _native_input(x: torch.Tensor) -> bool:
-    """Whether the time-major kernels take x as it is: float32 (B, L, C) on the CPU with
-    unit-stride channels."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
-
-
 class CausalConv(nn.Module):
     """Conv1d (stride 1; one group or depthwise) left-padded by its reach (kernel - 1) *
     dilation, time-major: (B, L, Cin) -> (B, L, Cout); output t sees inputs t - reach .. t.
     Run by the native time-major kernel where use_native_convolutions gave it one that serves
-    the convolution, else as matrix products (layers/conv_products.py): never by oneDNN, whose
-    primitive per input shape a stream of windows of ever new lengths kept making."""
+    the convolution, else as matrix products (layers/time_major.TimeMajorConv): never by
+    oneDNN, whose primitive per input shape a stream of windows of ever new lengths kept making."""
 
     kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
 
@@ -182,8 +176,7 @@ class CausalConv(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.reach = (kernel - 1) * dilation
-        self.taps = conv_products.TapMatrix()
-        self._packed: tuple[ParameterState, PackedConv | PackedDepthwise | None] | None = None
+        self.run = TimeMajorConv(self.conv)
 
     scale = 1
 
@@ -191,25 +184,7 @@ class CausalConv(nn.Module):
         return out_from - self.reach
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed() if self.kernel is not None and _native_input(x) else None
-        if isinstance(packed, PackedDepthwise):
-            return self.kernel.depthwise(x, packed, self.reach)
-        if packed is not None and self.kernel.supports(x, packed):
-            return self.kernel(x, packed, self.reach, 0)
-        return conv_products.causal_conv1d(self.conv, x, self.taps)
-
-    def packed(self) -> PackedConv | PackedDepthwise | None:
-        """The convolution in the native kernel's layout (None where it does not serve it:
-        TimeMajorConvKernel.serves), packed again after a parameter changed."""
-        params = list(self.conv.parameters())
-        if self._packed is None or not self._packed[0].matches(params):
-            c = self.conv
-            if c.groups == 1:
-                packed = PackedConv.of(c) if TimeMajorConvKernel.serves(c) else None
-            else:
-                packed = PackedDepthwise.of(c)
-            self._packed = (ParameterState.of(params), packed)
-        return self._packed[1]
+        return self.run(x, self.kernel, self.reach, 0)
 
 
 class TrimmedTransposedConv(nn.Module):
@@ -218,39 +193,25 @@ class TrimmedTransposedConv(nn.Module):
     alone; with k = 2s it mixes inputs m and m + 1 (one frame of look-ahead, hence the cut
     tail). Run as a 1- or 2-tap convolution whose output channels are the s phases by the
     native time-major kernel where use_native_convolutions gave it one that serves it, else as
-    matrix products (layers/conv_products.py): never by oneDNN (see CausalConv)."""
+    matrix products (layers/time_major.TimeMajorConv): never by oneDNN (see CausalConv)."""
 
     kernel: TimeMajorConvKernel | None = None      # set by use_native_convolutions
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
         super().__init__()
-        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
-        if not is_trimmed_transposed(self.conv):
+        if kernel not in (stride, 2 * stride):
             raise ValueError(f"code2wav's transposed convolutions have kernel = stride or 2 x stride; "
                              f"got kernel {kernel}, stride {stride}")
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.scale = stride
-        self.taps = conv_products.TapMatrix()
-        self._packed: tuple[ParameterState, PackedConv | None] | None = None
+        self.run = TimeMajorConv(self.conv, cut=kernel - stride)
 
     def needs_from(self, out_from: int) -> int:
         """Output j mixes inputs j // stride and (with the trim) j // stride + 1."""
         return out_from // self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed() if self.kernel is not None and _native_input(x) else None
-        if packed is not None and self.kernel.supports(x, packed) and x.shape[1] >= packed.taps:
-            y = self.kernel(x, packed, 0)                       # (B, L - taps + 1, s * Cout)
-            return y.view(y.shape[0], y.shape[1] * self.scale, self.conv.out_channels)
-        return conv_products.trimmed_conv_transpose1d(self.conv, x, self.taps)
-
-    def packed(self) -> PackedConv | None:
-        """The convolution in the native kernel's layout (PackedConv.of_transposed; None where
-        the kernel does not serve it), packed again after a parameter changed."""
-        params = list(self.conv.parameters())
-        if self._packed is None or not self._packed[0].matches(params):
-            packed = PackedConv.of_transposed(self.conv) if TimeMajorConvKernel.serves_transposed(self.conv) else None
-            self._packed = (ParameterState.of(params), packed)
-        return self._packed[1]
+        return self.run(x, self.kernel)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -323,7 +284,7 @@ def use_native_convolutions(model: nn.Module) -> int:
             + attach_kernel(model, TrimmedTransposedConv, TimeMajorConvKernel, "code2wav's transposed convolutions"))
     for m in model.modules():
         if isinstance(m, (CausalConv, TrimmedTransposedConv)) and m.kernel is not None:
-            m.packed()
+            m.run.packed()
     return took
 
 

@@ -15,7 +15,8 @@ import torch
 from transformers import Qwen2_5OmniToken2WavConfig, Qwen2_5OmniToken2WavModel
 
 from omnistage.errors import CheckpointError, InvalidRequestError
-from omnistage.models.qwen2_5_omni.bigvgan import AntiAliasedSnake, VocoderStream, use_native_activations
+from omnistage.models.qwen2_5_omni.bigvgan import (AntiAliasedSnake, VocoderStream, use_native_activations,
+                                                   use_native_convolutions)
 from omnistage.models.qwen2_5_omni.token2wav import Token2Wav, Token2WavRequest
 from omnistage.models.qwen2_5_omni.token2wav_stream import StreamConfig, Token2WavStream, step_streams
 from omnistage.models.qwen2_5_omni.token2wav_dit import BatchLayout
@@ -95,26 +96,49 @@ def test_decode_matches_transformers(models, guidance):
 
 
 @pytest.fixture(scope="module")
-def native_activations(models):
-    """The fixture's token2wav with its vocoder's anti-aliased activations as one native pass
-    each (use_native_activations, as the serving recipe builds it)."""
+def native_vocoder(models):
+    """A token2wav whose vocoder runs as the serving recipe builds it on the CPU: each
+    anti-aliased activation as one native pass (use_native_activations) and every convolution
+    in the native time-major kernel (use_native_convolutions; at these widths it serves all,
+    the upsamplers as their phases' convolutions)."""
     hf, _ = models
     t2w = Token2Wav(hf.config)
     t2w.load_weights((f"token2wav.{k}", v) for k, v in hf.state_dict().items())
-    assert use_native_activations(t2w.vocoder) == len(
-        [m for m in t2w.vocoder.modules() if isinstance(m, AntiAliasedSnake)]) > 0
+    voc = t2w.vocoder
+    assert use_native_activations(voc) == len([m for m in voc.modules() if isinstance(m, AntiAliasedSnake)]) > 0
+    assert use_native_convolutions(voc) == len(voc.resblocks) + 1
+    runs = voc.runs + [run for block in voc.resblocks for run in block.runs]
+    assert all(run.packed() is not None for run in runs)
     return t2w
 
 
-def test_native_vocoder_activations_match_transformers(models, native_activations):
-    """The vocoder with its anti-aliased activations as one native pass each against
+def test_native_vocoder_matches_transformers(models, native_vocoder):
+    """The vocoder with its activations and convolutions in the native kernels against
     transformers' waveform; atol 1e-5 (peak ~0.5)."""
     hf, _ = models
     codes, cond, ref = utterance(29, seed=7)
     noise, wav_hf = seeded_noise_and_hf_wav(hf, codes, cond, ref, seed=9)
-    wav = native_activations.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
+    wav = native_vocoder.decode(codes, cond, ref, noise, steps=10, guidance_scale=0.5, sway=-1.0)
     assert wav.abs().max() > 0.05
     torch.testing.assert_close(wav, wav_hf, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_no_vocoder_convolution_reaches_onednn(models, native_vocoder, native):
+    """Neither the native kernels nor the matrix products (the path without them: CUDA, the
+    `matmul` kernels) run BigVGAN's convolutions in PyTorch's: oneDNN keeps a primitive for
+    every input shape, and a stream's windows bring ever new ones. Without the native
+    activations their resampling filters still do (two depthwise convolutions each)."""
+    voc = native_vocoder.vocoder if native else models[1].vocoder
+    mel = torch.randn(2, MEL, 30, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), torch.autograd.profiler.profile() as prof:
+        voc(mel, emit=(10, 20))
+    ops = [e.name for e in prof.function_events]
+    assert ops.count("aten::mm") + ops.count("aten::matmul") > 0 or native   # the profile saw it
+    activations = len([m for m in voc.modules() if isinstance(m, AntiAliasedSnake)])
+    want = {} if native else {"aten::conv2d": activations, "aten::conv_transpose2d": activations}
+    public = ("aten::conv1d", "aten::conv2d", "aten::conv_transpose1d", "aten::conv_transpose2d")
+    assert {name: ops.count(name) for name in public if name in ops} == want
 
 
 def test_native_dit_attention_matches_transformers(models):
@@ -320,12 +344,12 @@ def test_vocoder_windows_are_exact(models):
 
 @pytest.mark.parametrize("on_native", [False, True])
 @pytest.mark.parametrize("first,end", [(0, 110), (0, 25), (45, 65), (80, 110), (109, 110)])
-def test_vocoder_runs_part_of_a_window(models, native_activations, on_native, first, end):
+def test_vocoder_runs_part_of_a_window(models, native_vocoder, on_native, first, end):
     """forward(mel, emit=(first, end)) gives the whole window's samples of those frames (within
     float rounding: convolutions of other lengths), at the window's edges too, with the torch
     or the native activations, and its 24 kHz layers compute only what those samples read: the
     last activation sees ~one frame more than the emitted ones, not the window's 110 frames."""
-    voc = native_activations.vocoder if on_native else models[1].vocoder
+    voc = native_vocoder.vocoder if on_native else models[1].vocoder
     mel = torch.randn(2, MEL, 110, generator=torch.Generator().manual_seed(first))
     whole = voc(mel)
     seen = []

@@ -165,7 +165,7 @@ def test_native_convolutions_match_transformers(models, frames):
     hf, ours = models
     native = every_native_kernel(load(ours.config, checkpoint(hf)))
     served = [m for m in native.modules() if isinstance(m, (CausalConv, TrimmedTransposedConv))]
-    assert all(m.packed() is not None for m in served)          # the tiny widths: all of them
+    assert all(m.run.packed() is not None for m in served)      # the tiny widths: all of them
     codes = codes_for(2, frames, seed=frames + 2)
     with torch.no_grad():
         want = hf(codes)
