@@ -231,8 +231,8 @@ class VocoderStage(Stage):
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> bool:
         """Decode first and second chunks once before serving (a few streams at once), so the
-        first requests do not pay for what a process does only once: oneDNN's primitives,
-        built per input shape, and the heap pages a chunk touches. Measured on the small
+        first requests do not pay for what a process does only once: oneDNN's primitives for
+        the DiT's products, built per input shape, and the heap pages a chunk touches. Measured on the small
         checkpoint over the Realtime API: a fresh server's first answer waited 0.50 s for its
         first chunk, the next ones 0.28 s. Seeds are explicit: requests' seeds do not move.
         Skipped when a first chunk's window is longer than `first_audio_frames` mel frames
