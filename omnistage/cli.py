@@ -82,8 +82,10 @@ def _omni_arguments(parser: argparse.ArgumentParser) -> None:
                         "within ~1e-5")
     g.add_argument("--token2wav-bf16", action="store_true",
                    help="speech decoder DiT GEMMs in bfloat16: oneDNN's bf16 GEMMs on CPUs with bf16 "
-                        "dot products (1.3x float32 on an AMD Zen 5), autocast elsewhere; mel "
-                        "within ~0.2%% RMS of float32 (default: float32, as the reference)")
+                        "dot products (1.3x float32 on an AMD Zen 5), autocast on GPUs and with "
+                        "--linear-kernel matmul; ignored with a warning on CPUs without bf16 units (emulated "
+                        "bf16 took 4.5x float32's time); mel within ~0.2%% RMS of float32 (default: float32, "
+                        "as the reference)")
     g.add_argument("--token2wav-int8", action="store_true",
                    help="Qwen2.5-Omni, opt-in speed for quality: the speech decoder DiT's products over "
                         "frame rows in int8 (weights per output column, activations per row; VNNI's "

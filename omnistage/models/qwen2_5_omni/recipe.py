@@ -22,6 +22,7 @@ from omnistage.kernels.linear_w8a8 import W8A8Kernel
 from omnistage.layers.checkpoint import (eos_token_ids, iter_weights, load_tokenizer, read_config,
                                          safetensors_files)
 from omnistage.layers.linear import native_linears_for
+from omnistage.layers.onednn import onednn_bf16_available
 from omnistage.layers.snake import use_native_snake
 from omnistage.layers.weights import load_prefixed, require_complete
 from omnistage.llm.engine import LLMEngine
@@ -130,20 +131,26 @@ def token2wav_stage(name: str, config: EngineConfig, settings: OmniSettings, mod
     t2w = Token2Wav(token2wav_config(model_dir), torch.float32, dev)
     t2w.load_weights(iter_weights(safetensors_files(model_dir)))
     w8a8 = int8_dit_kernel(config, settings.vocoder, dev)
+    bf16 = settings.vocoder.bf16_dit
+    if bf16 and dev.type == "cpu" and config.linear_kernel != "matmul" and not onednn_bf16_available():
+        # emulated bf16: the small checkpoint's DiT under autocast took 4.5x float32's time (Zen 3)
+        log.warning("--token2wav-bf16: this CPU has no bfloat16 units (AVX-512 BF16 or AMX), where "
+                    "bf16 matmuls are emulated and slower than float32: the DiT stays float32")
+        bf16 = False
     # float32: the frame-row products in the native kernel where the linear kernel setting
     # allows it (auto, native), the blocks then in one native call (use_native_stack)
     native = None
-    if (w8a8 is None and not settings.vocoder.bf16_dit and config.linear_kernel in ("auto", "native")
+    if (w8a8 is None and not bf16 and config.linear_kernel in ("auto", "native")
             and t2w.dit.stack_fits()):
         native, _ = native_linear_kernel(config.linear_kernel, dev, torch.float32)
     packed = 0
     if config.linear_kernel != "matmul":   # ~1.7x on the DiT's GEMMs on CPU (fp32); bf16 where
         # the CPU has bf16 dot products: weights and GEMM inputs rounded, ~1.3-1.8x more
-        dtype = torch.bfloat16 if settings.vocoder.bf16_dit else torch.float32
+        dtype = torch.bfloat16 if bf16 else torch.float32
         packed = t2w.dit.pack_for_onednn(dtype, w8a8, native)
         if w8a8 is not None and not packed:      # bf16 asked where the CPU has no bf16 units
             packed = t2w.dit.pack_for_onednn(torch.float32, w8a8)
-    if settings.vocoder.bf16_dit and not packed:
+    if bf16 and not packed:
         t2w.dit.bf16_matmuls = True        # autocast elsewhere (GPUs, the matmul kernel)
     if w8a8 is not None and not packed:
         raise InvalidRequestError("the int8 token2wav DiT needs oneDNN's packed GEMMs for its "

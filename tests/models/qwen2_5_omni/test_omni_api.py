@@ -143,7 +143,7 @@ def test_forced_answer_is_spoken(omni_dir):
 @pytest.mark.parametrize("kernel", ["matmul", "auto"])
 def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir, kernel):
     """matmul: bf16 autocast around the DiT; auto: oneDNN's packed bf16 GEMMs where the CPU has
-    bf16 dot products (else autocast too)."""
+    bf16 dot products, else float32 (emulated bf16 is slower): then the same audio."""
     from omnistage.layers.onednn import onednn_bf16_available
     from omnistage.models.qwen2_5_omni.recipe import OmniSettings
     from omnistage.models.qwen2_5_omni.vocoder_stage import VocoderSettings
@@ -154,13 +154,17 @@ def test_bf16_dit_opt_in_stays_close_to_float32(omni_dir, kernel):
     fast = Omni(omni_dir, linear_kernel=kernel, omni_settings=OmniSettings(vocoder=VocoderSettings(bf16_dit=True)))
     dit = fast.engine.graph.stages["token2wav"].model.dit
     packed = kernel == "auto" and onednn_bf16_available()
-    assert dit.bf16_matmuls == (not packed)
+    autocast = kernel == "matmul"
+    assert dit.bf16_matmuls == autocast
     assert (dit.transformer_blocks[0].attn.qkv is not None
             and dit.transformer_blocks[0].attn.qkv.packed_dtype == torch.bfloat16) == packed
     [out] = fast.generate(prompt, params, output=opts)
     assert out.token_ids == ref.token_ids and out.audio.shape == ref.audio.shape
     rel = np.sqrt(np.mean((out.audio - ref.audio) ** 2) / np.mean(ref.audio ** 2))
-    assert 0 < rel < 0.05, rel      # not the same numerics, but the same speech
+    if packed or autocast:
+        assert 0 < rel < 0.05, rel      # not the same numerics, but the same speech
+    else:
+        assert rel == 0, rel            # no bf16 units: the float32 DiT, as without the flag
 
 
 def test_int8_dit_opt_in_stays_close_to_float32(omni_dir):
