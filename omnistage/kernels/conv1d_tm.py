@@ -182,11 +182,15 @@ class TimeMajorConvKernel:
         return -(-k // s) * cin * cp * 4 <= MAX_WEIGHT_BYTES
 
     @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether the kernel's forms take activations `x` as they are: float32 (B, L, C) on the
+        CPU with unit-stride channels."""
+        return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+
+    @staticmethod
     def supports(x: torch.Tensor, conv: PackedConv) -> bool:
-        """Whether the kernel takes `x` as it is: float32 (B, L, Cin) on the CPU with unit-stride
-        channels."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3
-                and x.shape[2] == conv.in_channels and x.stride(2) == 1)
+        """Whether the kernel takes `x` as it is for `conv`: `takes` it, with conv's Cin."""
+        return TimeMajorConvKernel.takes(x) and x.shape[2] == conv.in_channels
 
     def __call__(self, x: torch.Tensor, conv: PackedConv, padding: int, right: int | None = None) -> torch.Tensor:
         """x (B, L, Cin) as `supports` takes it, `padding` zero steps before it and `right`

@@ -101,12 +101,11 @@ def conv_transpose1d(conv: nn.ConvTranspose1d, x: torch.Tensor, taps: TapMatrix,
 
 
 def _start(like: torch.Tensor, out_len: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """(B, out_len, C) of `like`'s rows, dtype and device, holding the bias (or zeros), C the
-    bias's length or like's last dimension."""
-    c = like.shape[-1] if bias is None else bias.shape[0]
+    """(B, out_len, C) of `like`'s batch, dtype and device (C its last dimension): the bias in
+    every step, or zeros."""
     if bias is None:
-        return like.new_zeros(like.shape[0], out_len, c)
-    return bias.to(like.dtype).expand(like.shape[0], out_len, c).clone()
+        return like.new_zeros(like.shape[0], out_len, like.shape[-1])
+    return bias.to(like.dtype).expand(like.shape[0], out_len, -1).clone()
 
 
 def _tap_spans(conv: nn.Conv1d, left: int, n: int, out_len: int) -> Iterator[tuple[int, int, int, int]]:

@@ -65,7 +65,7 @@ class TimeMajorConv:
         """x (B, L, Cin) -> (B, L', Cout): a Conv1d with `left` zero steps before x and `right`
         after (L' = L + left + right - reach), a ConvTranspose1d with its cut (left, right
         unused: L' = (L - 1) s + k - 2 cut)."""
-        packed = self.packed() if kernel is not None and _native_input(x) else None
+        packed = self.packed() if kernel is not None and kernel.takes(x) else None
         if self.transposed:
             if isinstance(packed, PackedTransposed) and kernel.supports(x, packed.phases) \
                     and packed.plan(x.shape[1])[3] >= 1:
@@ -76,12 +76,6 @@ class TimeMajorConv:
         if packed is not None and kernel.supports(x, packed):
             return kernel(x, packed, left, right)
         return conv_products.conv1d(self.conv, x, self.taps, left, right)
-
-
-def _native_input(x: torch.Tensor) -> bool:
-    """Whether the time-major kernels take x as it is: float32 (B, L, C) on the CPU with
-    unit-stride channels."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
 
 
 def channels_last(x: torch.Tensor) -> torch.Tensor:
