@@ -38,7 +38,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 from websockets.asyncio.client import connect
 
 from benchmarks.espeak import RATE, pcm16, utterance

@@ -1,6 +1,7 @@
 """Fill modules from checkpoint tensors: an engine model through its `load_weights` name map
 (`fill_model`), or a plain `nn.Module` (encoders, vocoders) whose state-dict names match the
-checkpoint's after a prefix (`load_prefixed`)."""
+checkpoint's after a prefix (`load_prefixed`); modules built on the meta device get their
+tensors first (`materialize`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ from omnistage.errors import CheckpointError
 from omnistage.layers.linear import pack_while_loading
 
 log = logging.getLogger(__name__)
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`module.to_empty(device=device)`: every parameter and buffer (built on the meta device)
+    replaced by an uninitialised tensor of its shape and dtype on `device`, in place; returns
+    `module`. Not to_empty itself: its `empty_like` of a meta tensor runs torch's Python
+    reference, whose first call imports sympy (~1 s of every server start and CLI run). As
+    to_empty, a parameter shared by two modules becomes two tensors (loading fills each)."""
+    for mod in module.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(mod, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in list(mod.named_buffers(recurse=False)):
+            setattr(mod, name, torch.empty(b.shape, dtype=b.dtype, device=device))  # stays a buffer
+    return module
+
+
+def meta_embedding(num: int, dim: int, dtype: torch.dtype | None = None) -> nn.Embedding:
+    """An nn.Embedding on the meta device without its init: nn.Embedding's normal_ on a meta
+    tensor runs torch's Python reference, which imports torch._dynamo (~2 s of a start)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim, dtype=dtype, device="meta"))
 
 
 def load_prefixed(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -19,7 +19,7 @@ from omnistage.layers.checkpoint import (architecture_of, eos_token_ids, iter_we
                                          load_tokenizer, read_config, safetensors_files)
 from omnistage.layers.gguf import gguf_weights, is_gguf
 from omnistage.layers.linear import native_kernel_for
-from omnistage.layers.weights import fill_model
+from omnistage.layers.weights import fill_model, materialize
 from omnistage.models import resolve_model_class
 
 
@@ -37,7 +37,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
         where = model_dir if gguf else model_dir / "config.json"
         raise ModelLoadError(f"{where}: cannot use it ({e!r})") from e
     model = cls(config, dtype=dtype, device=device)
-    model.to_empty(device=device)
+    materialize(model, device)
     if gguf:
         weights = gguf_weights(model_dir, keep_codes=keeps_codes(pack_for, device, dtype))
     else:

@@ -39,6 +39,7 @@ from omnistage.layers import time_major
 from omnistage.layers.time_major import TimeMajorConv
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
+from omnistage.layers.weights import materialize
 
 # The anti-aliased activations resample by 2 with 12-tap Kaiser-windowed sinc filters.
 RESAMPLE_RATIO = 2
@@ -233,7 +234,7 @@ class BigVGAN(nn.Module):
             self.conv_post = nn.Conv1d(out_ch, 1, 7, padding=3, bias=False)
         # conv_pre, ups[i] at 1 + i, conv_post (the AMP blocks run their own)
         self.runs = [TimeMajorConv(c) for c in (self.conv_pre, *(up for (up,) in self.ups), self.conv_post)]
-        self.to_empty(device=device)
+        materialize(self, device)
         self.to(dtype)
 
     @property

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
-from omnistage.layers.weights import fill_model
+from omnistage.layers.weights import fill_model, materialize
 from omnistage.models.qwen2_5_omni.router import BridgeConstants
 from omnistage.models.qwen2_5_omni.talker import Qwen2_5OmniTalkerLM, TalkerConfig, TalkerTokens
 from omnistage.models.qwen2_5_omni.thinker import Qwen2_5OmniThinkerLM
@@ -56,7 +56,7 @@ def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch
             model = Qwen2_5OmniTalkerLM(TalkerConfig.from_omni(cfg), dtype, device)
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{model_dir / 'config.json'}: not a usable Qwen2.5-Omni config ({e!r})") from e
-    model.to_empty(device=device)
+    materialize(model, device)
     fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), pack_for=pack_for)
     return model.eval()
 

@@ -33,6 +33,7 @@ from omnistage.kernels.window_attention import MAX_SLOTS, WindowAttentionKernel,
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.onednn import (onednn_bf16_available, onednn_linear_available, pack_weight,
                                      packed_linear)
+from omnistage.layers.weights import materialize, meta_embedding
 
 log = logging.getLogger(__name__)
 NORM_EPS = 1e-6             # the modulated LayerNorms' epsilon
@@ -232,7 +233,7 @@ class InputEmbed(nn.Module):
 class CodecEmbed(nn.Module):
     def __init__(self, c):
         super().__init__()
-        self.codec_embed = nn.Embedding(c.num_embeds + 1, c.emb_dim)
+        self.codec_embed = meta_embedding(c.num_embeds + 1, c.emb_dim)
 
 
 class TimeEmbed(nn.Module):
@@ -475,7 +476,7 @@ class DiTModel(nn.Module):
                 for i in range(c.num_hidden_layers))
             self.norm_out = AdaNorm(c.hidden_size, 2)
             self.proj_out = DiTLinear(c.hidden_size, c.mel_dim)
-        self.to_empty(device=torch.device(device))
+        materialize(self, torch.device(device))
         self.to(dtype)
 
     def speaker_terms(self, cond: torch.Tensor, ref_mel: torch.Tensor) -> SpeakerTerms:

@@ -30,6 +30,7 @@ from transformers import Qwen2_5OmniVisionEncoderConfig
 from omnistage.layers.activations import gelu
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.weights import materialize
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -177,7 +178,7 @@ class Qwen2_5OmniVisionEncoder(nn.Module):
         self.patch_embed = PatchEmbed(c, dtype)
         self.blocks = nn.ModuleList(VisionBlock(c, dtype) for _ in range(c.depth))
         self.merger = PatchMerger(c, dtype)
-        self.to_empty(device=device)          # parameters are filled by the checkpoint loader
+        materialize(self, device)          # parameters are filled by the checkpoint loader
         self.requires_grad_(False)
         # Axial rotary: head_dim/4 frequencies each for the row and the column.
         quarter = torch.arange(0, self.head_dim // 2, 2, dtype=torch.float32) / (self.head_dim // 2)

@@ -47,7 +47,7 @@ from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.layers.native_kernel import ParameterState, attach_kernel
 from omnistage.layers.snake import TimeMajorSnakeBeta
 from omnistage.layers.time_major import TimeMajorConv
-from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, materialize, meta_embedding, require_complete
 
 CHECKPOINT_PREFIX = "code2wav."
 # Tensors a checkpoint may carry that are derived from the config, never read.
@@ -477,17 +477,14 @@ class Code2Wav(nn.Module):
         self.config = c
         device = torch.device(device)
         with torch.device("meta"):
-            # (an empty weight: nn.Embedding's own init on the meta device imports torch._dynamo, ~2 s)
-            self.code_embedding = nn.Embedding(c.codebook_size * c.num_quantizers, c.hidden_size,
-                                               _weight=torch.empty(c.codebook_size * c.num_quantizers,
-                                                                   c.hidden_size))
+            self.code_embedding = meta_embedding(c.codebook_size * c.num_quantizers, c.hidden_size)
             self.pre_transformer = PreTransformer(c, dtype)
             # upsample.{i} = [transposed conv x r, ConvNeXt]: (B, L, E) -> (B, L * r, E)
             self.upsample = nn.ModuleList(
                 nn.ModuleList([TrimmedTransposedConv(c.hidden_size, c.hidden_size, r, r),
                                ConvNeXtBlock(c.hidden_size)]) for r in c.upsampling_ratios)
             self.decoder = nn.ModuleList(self._decoder_layers(c))
-        self.to_empty(device=device)
+        materialize(self, device)
         self.to(dtype)
         self.requires_grad_(False)                   # inference only
         self.pre_transformer.init_rope(c.max_position_embeddings, device)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.rotary import RotaryEmbedding
-from omnistage.layers.weights import load_prefixed, require_complete
+from omnistage.layers.weights import load_prefixed, materialize, meta_embedding, require_complete
 from omnistage.models.qwen3_omni.predictor_stack import PredictorStack
 
 CHECKPOINT_PREFIX = "talker.code_predictor."
@@ -127,10 +127,10 @@ class CodePredictor(nn.Module):
         self.model.layers = nn.ModuleList(_Layer(c, dtype, meta) for _ in range(c["num_hidden_layers"]))
         self.model.norm = _Norm(h, c["rms_norm_eps"], dtype, meta)
         self.model.codec_embedding = nn.ModuleList(
-            nn.Embedding(v, h, _weight=torch.empty(v, h, dtype=dtype, device=meta)) for _ in range(groups - 1))
+            meta_embedding(v, h, dtype) for _ in range(groups - 1))
         self.lm_head = nn.ModuleList(nn.Linear(h, v, bias=False, dtype=dtype, device=meta)
                                      for _ in range(groups - 1))
-        self.to_empty(device=device)
+        materialize(self, device)
         self.requires_grad_(False)
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         self.rope = RotaryEmbedding(c["head_dim"], groups + 1, rope.get("rope_theta", c.get("rope_theta", 10000.0)),

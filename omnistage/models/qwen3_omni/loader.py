@@ -9,7 +9,7 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.errors import CheckpointError, ModelLoadError
 from omnistage.layers.checkpoint import iter_weights, read_config, safetensors_files
-from omnistage.layers.weights import fill_model
+from omnistage.layers.weights import fill_model, materialize
 from omnistage.models.qwen3_omni.lms import Qwen3OmniTalkerLM, Qwen3OmniThinkerLM
 
 
@@ -30,7 +30,7 @@ def load_lm(model_dir: str | Path, which: str, dtype: torch.dtype, device: torch
         raise ModelLoadError(f"{model_dir / 'config.json'}: talker_config.accept_hidden_layer "
                              f"{export_layer} is not a layer of the thinker's {model.config.num_hidden_layers}")
     model.export_layer = export_layer
-    model.to_empty(device=device)
+    materialize(model, device)
     fill_model(model, iter_weights(safetensors_files(model_dir)), str(model_dir), pack_for=pack_for)
     return model.eval()
 

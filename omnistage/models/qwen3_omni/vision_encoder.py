@@ -35,6 +35,7 @@ from transformers import Qwen3OmniMoeVisionEncoderConfig
 
 from omnistage.layers.activations import gelu
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.layers.weights import materialize, meta_embedding
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": gelu,
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -159,13 +160,10 @@ class Qwen3OmniVisionEncoder(nn.Module):
         self.merger_list = nn.ModuleList(PatchMerger(c, dtype, norm_after_merge=True)
                                          for _ in c.deepstack_visual_indexes)
         self.patch_embed = PatchEmbed(c, dtype)
-        # (given an empty weight: nn.Embedding's own init on the meta device imports torch._dynamo, ~2 s)
-        self.pos_embed = nn.Embedding(c.num_position_embeddings, c.hidden_size,
-                                      _weight=torch.empty(c.num_position_embeddings, c.hidden_size,
-                                                          dtype=dtype, device="meta"))
+        self.pos_embed = meta_embedding(c.num_position_embeddings, c.hidden_size, dtype)
         self.blocks = nn.ModuleList(VisionBlock(c, dtype) for _ in range(c.depth))
         self.merger = PatchMerger(c, dtype, norm_after_merge=False)
-        self.to_empty(device=device)          # parameters are filled by the checkpoint loader
+        materialize(self, device)          # parameters are filled by the checkpoint loader
         self.requires_grad_(False)
         # Axial rotary: head_dim/4 frequencies, used for the row and again for the column.
         theta = (c.rope_parameters or {}).get("rope_theta", 10000.0)
