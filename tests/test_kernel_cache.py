@@ -6,7 +6,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -59,6 +62,44 @@ def test_the_folder_is_private_and_a_world_writable_library_is_rebuilt(cache, so
     assert "writable by other users" in caplog.text and "rebuilding" in caplog.text
     assert _is_ours(lib) and _mode(lib) & 0o022 == 0         # rebuilt, not the planted bytes
     assert ctypes.CDLL(str(lib)).answer() == 42
+
+
+# Waits for a line on stdin, then builds the library argv[1] and prints its path.
+BUILD_ON_GO = """
+import sys
+from pathlib import Path
+from omnistage.kernels import build
+print("ready", flush=True)
+sys.stdin.readline()
+print(build.build_library(Path(sys.argv[1]), {}), flush=True)
+"""
+
+
+def test_processes_building_one_library_at_once_compile_it_once(cache, source, tmp_path, c_compiler):
+    """Two processes (a deployment's stage processes starting together) ask for the same
+    library at the same moment: one compiles, the other waits for it and loads the same file.
+    The compiler is wrapped to log each compile and take a second, so that without the lock
+    both would be compiling at once."""
+    log = tmp_path / "compiles.log"
+    cc = tmp_path / "cc.sh"
+    cc.write_text(f'#!/bin/sh\ncase " $* " in *" -o "*) echo compile >> "{log}"; sleep 1;; esac\n'
+                  f'exec "{shutil.which(c_compiler) or c_compiler}" "$@"\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "OMNISTAGE_CACHE": str(cache), "CC": str(cc)}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_ON_GO, str(source)], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        paths = [p.communicate(timeout=120)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0]
+    assert paths[0] == paths[1] and ctypes.CDLL(paths[0]).answer() == 42
+    assert log.read_text().splitlines() == ["compile"]
 
 
 def test_a_symlinked_library_is_rebuilt(cache, source, tmp_path, caplog):

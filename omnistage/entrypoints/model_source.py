@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from omnistage.models.cascade.spec import PREFIX, cascade_folder
-from omnistage.paths import cache_dir
+from omnistage.paths import build_lock, cache_dir
 
 
 def resolve_model(model: str) -> str:
@@ -30,19 +30,26 @@ def tiny_checkpoint(arch: str, size: str = "tiny", seed: int = 0, weights_dtype:
     """The cached folder of a tiny random checkpoint, built there on first use (weights in
     `weights_dtype`: build_tiny)."""
     out = cache_dir() / "tiny" / f"{arch}-{size}-seed{seed}{'-bf16' if weights_dtype == 'bfloat16' else ''}"
-    if not _built(out):
-        # Imported only to build: the builders import transformers' modeling code (seconds).
-        from omnistage.tiny import build_tiny
-
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        build_tiny(arch, tmp, seed=seed, size=size, weights_dtype=weights_dtype)
-        try:
-            tmp.rename(out)  # atomic: a half-built folder is never picked up
-        except OSError:
-            if not _built(out):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)  # another process built it first
+    if _built(out):
+        return out
+    with build_lock(out):
+        if not _built(out):
+            _build(arch, size, seed, weights_dtype, out)
     return out
+
+
+def _build(arch: str, size: str, seed: int, weights_dtype: str, out: Path) -> None:
+    # Imported only to build: the builders import transformers' modeling code (seconds).
+    from omnistage.tiny import build_tiny
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    build_tiny(arch, tmp, seed=seed, size=size, weights_dtype=weights_dtype)
+    try:
+        tmp.rename(out)  # atomic: a half-built folder is never picked up
+    except OSError:
+        if not _built(out):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # built meanwhile where flock is absent
 
 
 def _built(folder: Path) -> bool:

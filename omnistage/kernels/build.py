@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from omnistage.errors import InvalidRequestError
-from omnistage.paths import cache_dir
+from omnistage.paths import build_lock, cache_dir
 
 # -ffp-contract=fast: `acc += a * b` is one fused multiply-add in every kernel and every
 # compiler (GCC's default for GNU C; clang's default fuses only within one expression).
@@ -117,8 +117,15 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
     out = _library_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if _loadable(out):
         return out
-    # Built under a private name and renamed: processes and threads building the same
-    # library at once never load a half-written file.
+    with build_lock(out):               # one compile for processes starting at once
+        if not _loadable(out):
+            _compile(cc, args, source, out)
+    return out
+
+
+def _compile(cc: str, args: list[str], source: Path, out: Path) -> None:
+    # Built under a private name and renamed: a process or thread never loads a half-written
+    # file (where build_lock is a no-op, builders at once only repeat the work).
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         proc = subprocess.run([cc, *args, str(source), "-o", str(tmp), "-lm"],
@@ -130,7 +137,6 @@ def build_library(source: Path, defines: dict[str, int], flags: tuple[str, ...] 
         raise NativeBuildError(f"{cc} could not compile {source.name}: {proc.stderr.strip()[-2000:]}")
     os.chmod(tmp, 0o700)                 # whatever the umask: writable by this user alone
     os.replace(tmp, out)                 # (replaces a refused library of the same name)
-    return out
 
 
 def _mtime_ns(cc: str) -> int:

@@ -102,12 +102,13 @@ def omni_server_placed(tiny_omni: str, placement: str, folder):
 
 
 @pytest.fixture(scope="session")
-def tools_server(tmp_path_factory):
+def tools_server():
     """A server of tiny:qwen2 size `tools` (trained on weather-tool chats: its greedy answer to
-    a weather question is a call; omnistage/tiny/trained.py)."""
-    from omnistage.tiny import build_tiny
+    a weather question is a call; omnistage/tiny/trained.py). From the checkpoint cache: the
+    training (~50 s) runs once for the test workers (build_lock), not once in each."""
+    from omnistage.entrypoints.model_source import tiny_checkpoint
 
-    model = str(build_tiny("qwen2", tmp_path_factory.mktemp("tools"), size="tools"))
+    model = str(tiny_checkpoint("qwen2", "tools"))
     with running_server(model) as running:
         running.model = model
         yield running
