@@ -15,6 +15,7 @@ from omnistage.deploy import DeployConfig, StagePlacement
 from omnistage.diffusion.params import DiffusionParams
 from omnistage.entrypoints.model_source import tiny_checkpoint
 from omnistage.errors import ModelLoadError, StageFailedError
+from omnistage.stages.ray_stage import LOCAL_RAY_SYSTEM_CONFIG
 
 ray = pytest.importorskip("ray")
 
@@ -26,7 +27,8 @@ def folder():
 
 @pytest.fixture(scope="module")
 def ray_node():
-    ray.init(num_cpus=2, resources={"stage_node": 1}, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, resources={"stage_node": 1}, include_dashboard=False, log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     yield
     ray.shutdown()
 

@@ -11,10 +11,17 @@ Death: a watcher thread waits on the actor's serve call; when it ends (the actor
 killed, or its node went away) the thread makes a pipe readable, and the channel polls that
 pipe beside its socket as it polls a child process's sentinel: the graph, waiting on its
 channels, wakes at once and fails the stage's requests (StageFailure), then restarts it.
+
+Priority: Ray starts its worker processes at niceness 15 (`worker_niceness`), below every
+ordinary process: on a node whose cores are busy a stage's actor then gets a small share of
+them (a 2-core machine under load: its start alone took minutes). A local Ray that omnistage
+starts runs its workers at 0; a stage on a cluster started without RAY_worker_niceness=0
+logs a warning (docs/cluster.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -24,20 +31,38 @@ from omnistage.runtime.channel import Channel, ChannelConfig
 from omnistage.stages.remote import RemoteStage
 from omnistage.stages.worker import worker_main
 
+log = logging.getLogger(__name__)
+
+# The system config of a local Ray this process starts: its workers (the stages' actors) at
+# the niceness of ordinary processes, not Ray's default 15 (module doc).
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+
 
 def _actor_class():
     import ray
 
-    # Two calls at once: `node_ip` answers while `serve` runs.
+    # Two calls at once: `node_ip` and `niceness` answer while `serve` runs.
     @ray.remote(num_cpus=0, max_concurrency=2)
     class StageActor:
         def serve(self, spec: bytes, recipe: str) -> None:
+            _warn_if_niced()
             worker_main(spec, recipe)    # returns when the graph closes the channel
 
         def node_ip(self) -> str:
             return ray.util.get_node_ip_address()
 
+        def niceness(self) -> int:
+            return os.getpriority(os.PRIO_PROCESS, 0)
+
     return StageActor
+
+
+def _warn_if_niced() -> None:
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    if niceness > 0:
+        log.warning("this stage's Ray worker runs at niceness %d (Ray's worker_niceness): "
+                    "busy cores serve it last; start the cluster's nodes with "
+                    "RAY_worker_niceness=0", niceness)
 
 
 class _DeathPipe:
@@ -100,6 +125,12 @@ class _RayHandle:
         import ray
 
         return ray.get(self._actor.node_ip.remote(), timeout=timeout)
+
+    def niceness(self, timeout: float = 30.0) -> int:
+        """The niceness the actor's process runs at (module doc: Priority)."""
+        import ray
+
+        return ray.get(self._actor.niceness.remote(), timeout=timeout)
 
     def describe(self) -> str:
         return f"Ray actor {self._actor._actor_id.hex()[:12]}"
@@ -164,7 +195,9 @@ class RayStage(RemoteStage):
             raise ModelLoadError("a stage is placed on Ray but ray is not installed: pip install ray") from e
         address = self._cluster.address or os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            # A cluster's own system config is set when it starts: only a local one takes ours.
+            extra = {} if address else {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **extra)
         host = self._cluster.bind_host or (ray.util.get_node_ip_address() if address else "127.0.0.1")
         channel, spec = Channel.listen(self._types, ChannelConfig(
             transport="tcp", host=host, shm_capacity=0, handshake_timeout_s=self.start_timeout_s))

@@ -1,4 +1,4 @@
-"""The front of the two-host test (tests/test_two_host_cluster.py), run inside the first
+"""The front of the two-host test (tests/cluster/test_two_host_cluster.py), run inside the first
 host's network namespace: the tiny Qwen2.5-Omni all-local, then with its talker and token2wav
 pinned to the other host (Ray custom resource `node_b`), the same request through both; then
 the remote talker's actor killed mid-answer, and a request after it. Writes what it saw as

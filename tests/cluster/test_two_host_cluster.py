@@ -25,7 +25,7 @@ pytest.importorskip("ray")
 if os.geteuid() != 0 or shutil.which("ip") is None:
     pytest.skip("two network namespaces need root and iproute2", allow_module_level=True)
 
-FRONT = Path(__file__).with_name("cluster") / "two_host_front.py"
+FRONT = Path(__file__).with_name("two_host_front.py")
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -92,7 +92,9 @@ def _wait_started(proc: subprocess.Popen, timeout: float) -> None:
 def test_talker_and_token2wav_on_the_other_host(tiny_omni, tmp_path):
     tag = str(os.getpid() % 100000)
     hosts = Hosts(tag, os.getpid() % 250 + 1)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    # RAY_worker_niceness: the actors at the priority of the other processes (docs/cluster.md)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_worker_niceness": "0"}
     head = f"{hosts.addr_a}:6379"
     common = ["--block", "--num-cpus", "1", "--object-store-memory", str(200 << 20),
               "--disable-usage-stats"]
