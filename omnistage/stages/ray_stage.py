@@ -52,13 +52,18 @@ def _actor_class():
             return ray.util.get_node_ip_address()
 
         def niceness(self) -> int:
-            return os.getpriority(os.PRIO_PROCESS, 0)
+            return _niceness()
 
     return StageActor
 
 
+def _niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def _warn_if_niced() -> None:
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    """In the actor's own log (Ray's worker log on its node: log_to_driver is off)."""
+    niceness = _niceness()
     if niceness > 0:
         log.warning("this stage's Ray worker runs at niceness %d (Ray's worker_niceness): "
                     "busy cores serve it last; start the cluster's nodes with "
