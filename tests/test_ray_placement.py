@@ -66,3 +66,42 @@ def test_an_actor_no_node_can_host_fails_the_start(folder, ray_node):
                                                        start_timeout_s=3)})
     with pytest.raises(ModelLoadError, match=r"no answer in 3 s .*'gpu_node': 1"):
         Omni(folder, deploy_config=deploy, num_threads=1)
+
+
+class _Handle:
+    """A stand-in for a started stage's Ray handle: its actor's niceness, or an error."""
+
+    def __init__(self, niceness: int | Exception):
+        self._niceness = niceness
+        self.asked: list[float] = []
+
+    def niceness(self, timeout: float = 30.0) -> int:
+        self.asked.append(timeout)
+        if isinstance(self._niceness, Exception):
+            raise self._niceness
+        return self._niceness
+
+    def describe(self) -> str:
+        return "Ray actor 0123456789ab"
+
+
+def test_front_warns_of_a_niced_actor(caplog):
+    """A stage whose actor runs at Ray's default niceness is named in the front's log (the
+    actor's own warning is in a worker log on its node); an actor at 0, or one that cannot
+    answer, logs no warning and does not fail the start."""
+    from omnistage.stages.ray_stage import NICENESS_TIMEOUT_S, warn_if_stage_niced
+
+    caplog.set_level("DEBUG", logger="omnistage.stages.ray_stage")
+    niced = _Handle(15)
+    warn_if_stage_niced("talker", niced)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and niced.asked == [NICENESS_TIMEOUT_S]
+    text = warnings[0].getMessage()
+    assert "stage talker" in text and "niceness 15" in text and "RAY_worker_niceness=0" in text
+    assert "0123456789ab" in text
+
+    caplog.clear()
+    warn_if_stage_niced("thinker", _Handle(0))
+    warn_if_stage_niced("code2wav", _Handle(TimeoutError("no answer")))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("code2wav" in r.getMessage() and "no answer" in r.getMessage() for r in caplog.records)

@@ -16,7 +16,8 @@ Priority: Ray starts its worker processes at niceness 15 (`worker_niceness`), be
 ordinary process: on a node whose cores are busy a stage's actor then gets a small share of
 them (a 2-core machine under load: its start alone took minutes). A local Ray that omnistage
 starts runs its workers at 0; a stage on a cluster started without RAY_worker_niceness=0
-logs a warning (docs/cluster.md).
+logs a warning, in the actor's Ray worker log and, once the stage has started, in this
+process's log (docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Protocol
 
 from omnistage.stages.ray_cluster import RayCluster
 from omnistage.errors import ModelLoadError
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 # The system config of a local Ray this process starts: its workers (the stages' actors) at
 # the niceness of ordinary processes, not Ray's default 15 (module doc).
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+# How long the front waits for a started actor's niceness (it answers beside `serve`: ms)
+NICENESS_TIMEOUT_S = 10.0
 
 
 def _actor_class():
@@ -68,6 +72,29 @@ def _warn_if_niced() -> None:
         log.warning("this stage's Ray worker runs at niceness %d (Ray's worker_niceness): "
                     "busy cores serve it last; start the cluster's nodes with "
                     "RAY_worker_niceness=0", niceness)
+
+
+class NicenessSource(Protocol):
+    """What warn_if_stage_niced asks (a _RayHandle)."""
+
+    def niceness(self, timeout: float = ...) -> int: ...
+
+    def describe(self) -> str: ...
+
+
+def warn_if_stage_niced(name: str, handle: NicenessSource) -> None:
+    """In the front's log: the actor's own warning lands in its Ray worker log on its node,
+    which operators seldom read. A check, not a start condition: an actor that does not answer
+    in NICENESS_TIMEOUT_S is only noted (at debug level)."""
+    try:
+        niceness = handle.niceness(timeout=NICENESS_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - Ray's errors vary; the stage itself has started
+        log.debug("stage %s: could not read its actor's niceness: %s", name, e)
+        return
+    if niceness > 0:
+        log.warning("stage %s runs in a Ray worker at niceness %d (%s; Ray's worker_niceness): busy "
+                    "cores serve it last; start the cluster's nodes with RAY_worker_niceness=0 "
+                    "(docs/cluster.md)", name, niceness, handle.describe())
 
 
 class _DeathPipe:
@@ -188,6 +215,10 @@ class RayStage(RemoteStage):
         if self._spread is not None:
             group, self._spread = self._spread[0], None      # counted once, however often closed
             group.closed_one()
+
+    def _started(self) -> None:
+        super()._started()
+        warn_if_stage_niced(self.name, self._child)
 
     def _start_hint(self) -> str:
         return (f" (a Ray actor waits unscheduled while no node has what it asks for: "
