@@ -25,7 +25,10 @@ real-time gap per request = the largest (time since its first chunk - audio rece
 before a chunk arrives (<= 0: the audio was always ahead of real time). transformers:
 per-request latency (its first audio is its end) and audio-s per wall-s, in a subprocess after
 omnistage has shut down (its own OpenMP team, an idle machine). Per level (printed as each
-ends), the wall time of each stage's step(), timed around the stage objects.
+ends), the wall time of each stage's step(), timed around the stage objects. `--rounds N` runs
+the levels N times interleaved (C1 C8 C1 C8 ...: a slow spell of a shared machine then falls on
+every level alike); each level's figures pool its rounds' requests, and the report's `rounds`
+holds each round's TTFA p50 and throughput per level and its C=8 / C=1 first-audio ratio.
 Human-readable lines go to stdout as it runs; the LAST line is one JSON object with every figure.
 """
 
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -81,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", default=None,
                    help="requests per level: N, or one N per level in --concurrency's order "
                         "(default: max(4, 2 * C))")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the levels this many times, interleaved (C1 C8 C1 C8 ...), each round "
+                        "its own requests: a slow spell of the machine then falls on every level "
+                        "alike; each round is printed, and the figures pool every round's requests")
     p.add_argument("--hf-requests", type=int, default=2,
                    help="transformers requests, one at a time (~8 s each on the small Qwen2.5-Omni)")
     p.add_argument("--skip-hf", action="store_true", help="no transformers side")
@@ -141,7 +149,7 @@ def _levels(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     _levels(p, args)
-    for name in ("hf_requests", "text_tokens", "codec_tokens", "threads", "frame_budget"):
+    for name in ("hf_requests", "text_tokens", "codec_tokens", "threads", "frame_budget", "rounds"):
         v = getattr(args, name)
         if v is not None and v < (0 if name == "hf_requests" else 1):
             p.error(f"--{name.replace('_', '-')} must be positive, got {v}")
@@ -370,6 +378,25 @@ class LevelResult:
                                 "realtime_gap_s": [None if t.realtime_gap_s is None
                                                    else round(t.realtime_gap_s, 4) for t in ts]}}
 
+    @staticmethod
+    def pooled(rounds: list[LevelResult]) -> LevelResult:
+        """One level's rounds as one result: every request, the walls and stage times summed
+        (throughput = all audio / all wall), the busiest round's other_cores; the first
+        round's start and steps (a timeline is written per round)."""
+        first = rounds[0]
+        if len(rounds) == 1:
+            return first
+        stages = StageTimes(defaultdict(float), Counter(), defaultdict(float), first.stages.steps)
+        for r in rounds:
+            for k, v in r.stages.step_s.items():
+                stages.step_s[k] += v
+                stages.calls[k] += r.stages.calls[k]
+            for k, v in r.stages.parts_s.items():
+                stages.parts_s[k] += v
+        return LevelResult(first.concurrency, [t for r in rounds for t in r.timings],
+                           sum(r.wall_s for r in rounds), stages, max(r.other_cores for r in rounds),
+                           first.started)
+
     def line(self) -> str:
         return (f"[omnistage] C={self.concurrency}: {self.throughput:.3f} audio-s per wall-s "
                 f"({sum(t.audio_s for t in self.timings):.1f} s of audio in {self.wall_s:.1f} s); "
@@ -494,17 +521,39 @@ async def _all_levels(engine, args: argparse.Namespace, report: dict,
     await one_request(engine, "warm-up", 10_000, replace(thinker, max_tokens=8, min_tokens=8),
                       warm, asyncio.Semaphore(1))
     report["omnistage_warmup_s"] = round(time.perf_counter() - t, 3)
-    start = 0
-    for c in args.concurrency:
-        n = args.requests_per_level[c]
-        log(f"[omnistage] concurrency {c}: {n} requests ...")
-        res = await run_level(engine, clock, c, list(range(start, start + n)), thinker, opts, capture)
-        start += n
-        levels[c] = res
-        log(res.line() + _busy_note({"other_cores": res.other_cores}))
-        print_breakdown(res)
-        if args.timeline:
-            write_timeline(args.timeline, res, append=start > n)
+    start, rounds = 0, defaultdict(list)
+    for r in range(args.rounds):
+        for c in args.concurrency:
+            n = args.requests_per_level[c]
+            log(f"[omnistage] {_round_tag(args, r)}concurrency {c}: {n} requests ...")
+            res = await run_level(engine, clock, c, list(range(start, start + n)), thinker, opts, capture)
+            start += n
+            rounds[c].append(res)
+            levels[c] = LevelResult.pooled(rounds[c])
+            log(res.line() + _busy_note({"other_cores": res.other_cores}))
+            print_breakdown(res)
+            if args.timeline:
+                write_timeline(args.timeline, res, append=start > n)
+    if args.rounds > 1:
+        report["rounds"] = round_figures(rounds)
+
+
+def _round_tag(args: argparse.Namespace, r: int) -> str:
+    return f"round {r + 1}/{args.rounds}, " if args.rounds > 1 else ""
+
+
+def round_figures(rounds: dict[int, list[LevelResult]]) -> dict:
+    """Each round's TTFA p50 and throughput per level, and its first-audio ratio C=8 / C=1 (the
+    issue's) where both levels ran, with the median of those ratios; printed as it goes."""
+    out = {str(c): {"ttfa_p50_s": [r.ttfa_p50() for r in rs],
+                    "audio_s_per_wall_s": [round(r.throughput, 4) for r in rs]} for c, rs in rounds.items()}
+    for c, fig in out.items():
+        log(f"[rounds] C={c}: TTFA p50 {fig['ttfa_p50_s']} s; audio-s per wall-s {fig['audio_s_per_wall_s']}")
+    if 1 in rounds and 8 in rounds:
+        ratios = [round(b.ttfa_p50() / a.ttfa_p50(), 3) for a, b in zip(rounds[1], rounds[8])]
+        out["ttfa_p50_c8_vs_c1"] = {"per_round": ratios, "median": round(statistics.median(ratios), 3)}
+        log(f"[rounds] TTFA p50 C=8 / C=1 per round {ratios}, median {out['ttfa_p50_c8_vs_c1']['median']}")
+    return out
 
 
 def write_timeline(path: str, res: LevelResult, append: bool) -> None:
@@ -560,6 +609,7 @@ def workload(args: argparse.Namespace) -> dict:
     common = {"family": args.family, "text_tokens": args.text_tokens, "codec_tokens": args.codec_tokens,
               "concurrency": args.concurrency,
               "requests_per_level": {str(c): n for c, n in args.requests_per_level.items()},
+              "rounds": args.rounds,
               "hf_requests": 0 if args.skip_hf else args.hf_requests,
               "thinker": "greedy, EOS banned (min_tokens = max_tokens)"}
     if args.family == QWEN3:

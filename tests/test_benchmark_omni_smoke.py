@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` lives at the root
 
 from benchmarks.omni_e2e import (LevelResult, RequestTiming, StageTimes, finish_args,  # noqa: E402
-                                 parse_args, realtime_gap, resolve_family)
+                                 parse_args, realtime_gap, resolve_family, round_figures)
 from benchmarks.omni_peers import HFResult, summarize  # noqa: E402
 from benchmarks.qwen3_omni_peer import frames_from_windows  # noqa: E402
 
@@ -92,6 +92,26 @@ def test_ratios_against_targets():
     assert report["correctness"]["text_tokens_equal_hf"] is False       # request 1 differs
     assert report["correctness"]["talker_codes_equal_hf"] is None       # no codes recorded here
     assert report["levels"]["1"]["lengths_ok"] and report["levels"]["1"]["ttfa_p50_s"] == 3.0
+
+
+def test_rounds_pool_and_report_each_ratio():
+    """--rounds: a level's rounds pool into one result (every request; walls, stage times and
+    calls summed; the busiest round's other load), and each round's C=8 / C=1 ratio is kept."""
+    first, second = _level(1, [1.0, 3.0], 10.0), _level(1, [2.0, 2.0], 6.0)
+    first.stages = StageTimes({"talker": 4.0}, {"talker": 10}, {})
+    second.stages, second.other_cores = StageTimes({"talker": 2.0}, {"talker": 5}, {}), 0.3
+    pooled = LevelResult.pooled([first, second])
+    assert [t.ttfa_s for t in pooled.timings] == [1.0, 3.0, 2.0, 2.0] and pooled.wall_s == 16.0
+    assert pooled.throughput == pytest.approx(24.0 / 16.0) and pooled.other_cores == 0.3
+    assert pooled.stages.step_s["talker"] == 6.0 and pooled.stages.calls["talker"] == 15
+    assert LevelResult.pooled([first]) is first
+    rounds = {1: [first, second], 8: [_level(8, [4.0, 6.0], 4.0), _level(8, [5.0, 5.0], 4.0)]}
+    figures = round_figures(rounds)
+    assert figures["1"]["ttfa_p50_s"] == [2.0, 2.0] and figures["8"]["audio_s_per_wall_s"] == [3.0, 3.0]
+    assert figures["ttfa_p50_c8_vs_c1"] == {"per_round": [2.5, 2.5], "median": 2.5}
+    assert "ttfa_p50_c8_vs_c1" not in round_figures({1: [first]})
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
 
 
 def test_bad_flags_are_refused():
