@@ -16,7 +16,7 @@ Priority: Ray starts its worker processes at niceness 15 (`worker_niceness`), be
 ordinary process: on a node whose cores are busy a stage's actor then gets a small share of
 them (a 2-core machine under load: its start alone took minutes). A local Ray that omnistage
 starts runs its workers at 0; a stage on a cluster started without RAY_worker_niceness=0
-logs a warning, in the actor's Ray worker log and, once the stage has started, in this
+logs a warning, in the actor's Ray worker log and, at the stage's first start, in this
 process's log (docs/cluster.md).
 """
 
@@ -216,8 +216,10 @@ class RayStage(RemoteStage):
             group, self._spread = self._spread[0], None      # counted once, however often closed
             group.closed_one()
 
-    def _started(self) -> None:
-        super()._started()
+    def wait_started(self) -> None:
+        super().wait_started()
+        # At the first start only: a restart is read inside the graph's step, which must not
+        # wait on Ray (a restarted actor that runs niced still says so in its own log).
         warn_if_stage_niced(self.name, self._child)
 
     def _start_hint(self) -> str:
