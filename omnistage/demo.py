@@ -67,7 +67,10 @@ def _wav_bytes(path: str) -> bytes:
 
 
 def _pcm(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    """16-bit PCM as the server sent it. Gradio plays int16 as given; float audio it rescales
+    to full scale (each clip by its own peak: a quiet answer played loud, and the streamed
+    answer's volume moving as it grows)."""
+    return np.frombuffer(data, dtype="<i2")
 
 
 class DemoActions:

@@ -4,13 +4,16 @@ give."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
+import wave
 
 import httpx
+import numpy as np
 import pytest
 
 from benchmarks.serve_process import free_port
@@ -53,3 +56,35 @@ def test_demo_serves_the_model_in_its_own_process(tiny_qwen2):
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     assert proc.returncode == 0, proc.stderr.read()
+
+
+class _Speech:
+    """The openai SDK's `client.audio.speech`, answering every request with one WAV."""
+
+    def __init__(self, wav: bytes):
+        self.wav = wav
+
+    def create(self, **_) -> io.BytesIO:
+        return io.BytesIO(self.wav)
+
+
+class _Client:
+    def __init__(self, wav: bytes):
+        self.audio = type("Audio", (), {})()
+        self.audio.speech = _Speech(wav)
+
+
+def test_demo_plays_the_servers_samples_unchanged():
+    """The speech tab hands Gradio the server's 16-bit samples as they are: float samples
+    would be rescaled by Gradio to full scale (a quiet answer played at full volume)."""
+    pytest.importorskip("gradio")
+    from omnistage.demo import DemoActions, Served
+
+    samples = (np.sin(np.arange(2400) / 8.0) * 900).astype(np.int16)      # quiet: peak 900 of 32767
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000)
+        w.writeframes(samples.tobytes())
+    (rate, played), note = DemoActions(_Client(out.getvalue()), Served("m", voices=("a",))).speech("Hi.", None)
+    assert note == "" and rate == 24000
+    assert played.dtype == np.int16 and np.array_equal(played, samples)
