@@ -550,7 +550,7 @@ def round_figures(rounds: dict[int, list[LevelResult]]) -> dict:
     for c, fig in out.items():
         log(f"[rounds] C={c}: TTFA p50 {fig['ttfa_p50_s']} s; audio-s per wall-s {fig['audio_s_per_wall_s']}")
     if 1 in rounds and 8 in rounds:
-        ratios = [round(b.ttfa_p50() / a.ttfa_p50(), 3) for a, b in zip(rounds[1], rounds[8])]
+        ratios = [round(b / a, 3) for a, b in zip(out["1"]["ttfa_p50_s"], out["8"]["ttfa_p50_s"])]
         out["ttfa_p50_c8_vs_c1"] = {"per_round": ratios, "median": round(statistics.median(ratios), 3)}
         log(f"[rounds] TTFA p50 C=8 / C=1 per round {ratios}, median {out['ttfa_p50_c8_vs_c1']['median']}")
     return out

@@ -65,13 +65,17 @@ def _niceness() -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+# What both warnings (the actor's and the front's) tell the operator
+NICED_ADVICE = ("busy cores serve it last; start the cluster's nodes with RAY_worker_niceness=0 "
+                "(docs/cluster.md)")
+
+
 def _warn_if_niced() -> None:
     """In the actor's own log (Ray's worker log on its node: log_to_driver is off)."""
     niceness = _niceness()
     if niceness > 0:
-        log.warning("this stage's Ray worker runs at niceness %d (Ray's worker_niceness): "
-                    "busy cores serve it last; start the cluster's nodes with "
-                    "RAY_worker_niceness=0", niceness)
+        log.warning("this stage's Ray worker runs at niceness %d (Ray's worker_niceness): %s",
+                    niceness, NICED_ADVICE)
 
 
 class NicenessSource(Protocol):
@@ -92,9 +96,8 @@ def warn_if_stage_niced(name: str, handle: NicenessSource) -> None:
         log.debug("stage %s: could not read its actor's niceness: %s", name, e)
         return
     if niceness > 0:
-        log.warning("stage %s runs in a Ray worker at niceness %d (%s; Ray's worker_niceness): busy "
-                    "cores serve it last; start the cluster's nodes with RAY_worker_niceness=0 "
-                    "(docs/cluster.md)", name, niceness, handle.describe())
+        log.warning("stage %s runs in a Ray worker at niceness %d (%s; Ray's worker_niceness): %s",
+                    name, niceness, handle.describe(), NICED_ADVICE)
 
 
 class _DeathPipe:
