@@ -82,17 +82,20 @@ static inline float dot_self(const float *x, int64_t n) {
     return s;
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * w, row by row (float32 throughout, as the references). */
+/* y = x / sqrt(mean(x^2) + eps) * w for one row of n (float32 throughout, as the references;
+ * y may be x). */
+static inline void rmsnorm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    const float inv = 1.0f / sqrtf(dot_self(x, n) / (float)n + eps);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) store(y + i, load(x + i) * inv * load(w + i));
+    for (; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+/* rmsnorm_row over `rows` rows, in a parallel region when they are many. */
 static void rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
     #pragma omp parallel for schedule(static) if (rows * n > PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        const float inv = 1.0f / sqrtf(dot_self(xr, n) / (float)n + eps);
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES) store(yr + i, load(xr + i) * inv * load(w + i));
-        for (; i < n; i++) yr[i] = xr[i] * inv * w[i];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rmsnorm_row(x + r * n, w, y + r * n, n, eps);
 }
 
 /* act = silu(g) * u for gu rows (g | u halves of 2n), act rows of n. */
@@ -111,14 +114,16 @@ static void silu_mul(const float *gu, float *act, int64_t rows, int64_t n) {
 }
 
 /* The query heads, then the key heads, of every qkv row (width ld) normalised in place, each
- * head over its head_dim values (Qwen3's q_norm / k_norm). */
+ * head over its head_dim values (Qwen3's q_norm / k_norm). Row by row, not through rmsnorm:
+ * its parallel region, entered (and skipped) twice per row, cost more than the norms (a
+ * decode of 8 rows, 3 layers: ~40 us a layer). */
 static void head_norms(float *qkv, int64_t ld, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t d, const float *qw, const float *kw, float eps) {
     #pragma omp parallel for schedule(static) if (rows * ld > PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         float *row = qkv + r * ld;
-        rmsnorm(row, qw, row, heads, d, eps);
-        rmsnorm(row + heads * d, kw, row + heads * d, kv_heads, d, eps);
+        for (int64_t h = 0; h < heads + kv_heads; h++)
+            rmsnorm_row(row + h * d, h < heads ? qw : kw, row + h * d, d, eps);
     }
 }
 
