@@ -70,6 +70,10 @@ class NativeLinearKernel:
         """The C entry point for weights in format `fmt`, for native callers (decoder_stack.c)."""
         return ctypes.cast(self._fns[fmt], ctypes.c_void_p).value
 
+    def segments_address(self) -> int:
+        """linear_segments' C entry point, for native callers (moe.c)."""
+        return ctypes.cast(self.segmented, ctypes.c_void_p).value
+
     def bind(self, w: PackedWeight, bias: torch.Tensor | None) -> LinearCall:
         """`w` (and its bias) for calls from C; the caller keeps both alive."""
         return LinearCall(self.address(w.format), w.panels.data_ptr(), pointer(w.group_scales),
@@ -125,6 +129,11 @@ class LinearSegments:
 
     def __len__(self) -> int:
         return len(self._array)
+
+    def address(self) -> int:
+        """The bound weights (an array of linear_call.h's Linear, one per segment), for native
+        callers (moe.c); valid while this object lives."""
+        return ctypes.addressof(self._array)
 
     def __call__(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x (R, in) float32 contiguous, its rows in segments of counts[e] rows (sum R) ->

@@ -18,5 +18,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate).mul_(up))
+        return self.down(swiglu_activation(self.gate_up(x)))
+
+
+def swiglu_activation(gate_up: torch.Tensor) -> torch.Tensor:
+    """(R, 2I) gate | up rows -> (R, I) silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)

@@ -7,7 +7,9 @@ The work is grouped by expert, not by row: the rows of a step that chose expert 
 down product per *active* expert, whatever the number of rows (a decode step of B sequences
 with top-k routing touches at most min(E, B * k) experts). The experts are TransposedLinear
 layers, so they take whatever CPU kernel the engine packs its linears with; with the native
-kernel a row's result does not depend on the other rows of its expert's batch.
+kernel a row's result does not depend on the other rows of its expert's batch, and the grouping,
+the products and the weighted sums run as two native calls (kernels/moe.py) with the bits of
+the tensor ops they stand for.
 
 Summation order, kept equal to the reference's: a row's output starts at zero and receives its
 experts' weighted outputs in ascending expert order, then (shared expert) + gate * shared.
@@ -21,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.linear import LinearSegments
+from omnistage.kernels.moe import NativeMoe
 from omnistage.layers.linear import TransposedLinear
-from omnistage.layers.mlp import SwiGLU
+from omnistage.layers.mlp import SwiGLU, swiglu_activation
 
 
 @dataclass(frozen=True)
@@ -47,18 +49,11 @@ class MoeMLP(nn.Module):
                               if s.shared_expert_size else None)
         self.shared_expert_gate = (TransposedLinear(s.hidden_size, [1], bias=False, dtype=dtype)
                                    if s.shared_expert_size else None)
-        # (the experts' panels' identities, gate|up segments, down segments): _native_experts
-        self._segments: tuple[tuple[int, ...], LinearSegments, LinearSegments] | None = None
+        self._native: NativeMoe | None = None      # _native_moe, bound at first use
 
     def _experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert's SwiGLU over its contiguous slice of `grouped` (counts[e] rows, experts
-        in order) -> (rows, H). With the native kernel, each product is one segmented call for
-        all experts (SwiGLU.forward's ops otherwise: the same bits)."""
-        native = self._native_experts()
-        if native is not None:
-            gate_up, down = native
-            gate, up = gate_up(grouped, counts).chunk(2, dim=-1)
-            return down(F.silu(gate).mul_(up), counts)
+        in order) -> (rows, H)."""
         outs, start = [], 0
         for e, n in enumerate(counts):          # each active expert on its contiguous slice
             if n:
@@ -66,19 +61,21 @@ class MoeMLP(nn.Module):
                 start += n
         return torch.cat(outs)
 
-    def _native_experts(self) -> tuple[LinearSegments, LinearSegments] | None:
-        """The experts' gate|up and down products bound as segmented native calls, where every
-        one is on the native kernel (bound at first use, again when a weight was packed anew).
-        Why: 8 experts cost 16 kernel calls and 24 small ops from Python per layer and step."""
-        layers = [(e.gate_up, e.down) for e in self.experts]
-        if any(m.native is None for pair in layers for m in pair):
-            return None
-        key = tuple(id(m.panels) for pair in layers for m in pair)
-        if self._segments is None or self._segments[0] != key:
+    def _native_moe(self) -> NativeMoe | None:
+        """The experts bound as native calls (kernels/moe.py: the grouping, both products for
+        every expert and the weighted sums, with SwiGLU's activation between), where every
+        expert's products are on the native kernel. Bound once: a packed weight is never packed
+        again (TransposedLinear refuses a second load). Why: 8 experts cost 16 kernel calls and
+        ~15 small ops from Python per layer and step."""
+        if self._native is None:
+            layers = [(e.gate_up, e.down) for e in self.experts]
+            if any(m.native is None for pair in layers for m in pair):
+                return None
             kernel = layers[0][0].native
-            self._segments = (key, kernel.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
-                              kernel.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
-        return self._segments[1], self._segments[2]
+            self._native = NativeMoe(kernel,
+                                     kernel.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
+                                     kernel.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
+        return self._native
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (weights (T, k) in x's dtype, expert ids (T, k)), as the reference
@@ -94,6 +91,15 @@ class MoeMLP(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         weights, experts = self.route(x)
+        native = self._native_moe() if x.dtype == torch.float32 else None
+        out = native(x, weights, experts, swiglu_activation) if native is not None else self._grouped(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts over x's rows grouped by expert, each row's weighted outputs summed
+        (the native path's arithmetic as tensor ops) -> (T, H)."""
         t, k = experts.shape
         flat = experts.flatten()                                          # (T * k,) row-major
         order = torch.argsort(flat, stable=True)                          # grouped by expert
@@ -112,6 +118,4 @@ class MoeMLP(nn.Module):
         out = torch.zeros_like(x)
         for j in range(k):
             out += contrib.index_select(0, slot[:, j])
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -45,8 +45,10 @@ def _reference(moe: MoeMLP, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("inter", [32, 20])     # 20: rows of SiLU not whole vectors
 def test_moe_equals_its_definition(shared, top_k, native, inter, c_compiler):
-    """With the native kernel the experts' products are segmented calls (one per product for
-    all experts) and the SiLU runs over all rows at once: the bits of one call per expert."""
+    """With the native kernel the grouping, the experts' products (one segmented call per
+    product for all experts) and the weighted sums are native calls (kernels/moe.py) and the
+    SiLU runs over all rows at once: the bits of one call per expert. 700 rows: the copies and
+    sums in parallel regions."""
     shape = MoeShape(hidden_size=64, moe_intermediate_size=inter, num_experts=6, top_k=top_k,
                      norm_topk_prob=True, shared_expert_size=shared)
     moe = _moe(shape, seed=top_k + shared)
@@ -56,7 +58,7 @@ def test_moe_equals_its_definition(shared, top_k, native, inter, c_compiler):
 
         pack_linears(moe, NativeLinearKernel())
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 2, 5, 37):
+    for rows in (1, 2, 5, 37, 700):
         x = torch.randn(rows, 64, generator=g)
         got, want = moe(x), _reference(moe, x)
         assert torch.equal(got, want), (rows, (got - want).abs().max())
@@ -85,3 +87,30 @@ def test_linear_segments_equal_one_call_per_weight(c_compiler):
         seg(x, [3, 0, 9])
     with pytest.raises(ValueError, match="one shape"):
         kernel.segments([weights[0], kernel.pack(torch.randn(40, 8))], [None, None])
+
+
+def test_native_moe_checks_its_inputs(c_compiler):
+    """kernels.moe.NativeMoe: an expert id out of range, a wrong dtype or an activation of the
+    wrong width is a ValueError, never a read out of bounds; experts that do not make one
+    SwiGLU each are refused at binding."""
+    from omnistage.kernels.linear import NativeLinearKernel
+    from omnistage.kernels.moe import NativeMoe
+
+    kernel = NativeLinearKernel()
+    g = torch.Generator().manual_seed(5)
+    gate_up = kernel.segments([kernel.pack(torch.randn(16, 24, generator=g)) for _ in range(3)], [None] * 3)
+    down = kernel.segments([kernel.pack(torch.randn(12, 16, generator=g)) for _ in range(3)], [None] * 3)
+    moe = NativeMoe(kernel, gate_up, down)
+    x, weights = torch.randn(2, 16, generator=g), torch.full((2, 2), 0.5)
+    act = lambda gu: gu[:, :12] * gu[:, 12:]                                   # noqa: E731
+    assert moe(x, weights, torch.tensor([[0, 2], [1, 2]]), act).shape == (2, 16)
+    with pytest.raises(ValueError, match="expert id"):
+        moe(x, weights, torch.tensor([[0, 3], [1, 2]]), act)
+    with pytest.raises(ValueError, match="expert id"):
+        moe(x, weights, torch.tensor([[0, -1], [1, 2]]), act)
+    with pytest.raises(ValueError, match="weights"):
+        moe(x, weights.double(), torch.tensor([[0, 2], [1, 2]]), act)
+    with pytest.raises(ValueError, match="activation"):
+        moe(x, weights, torch.tensor([[0, 2], [1, 2]]), lambda gu: gu)
+    with pytest.raises(ValueError, match="SwiGLU"):
+        NativeMoe(kernel, gate_up, gate_up)
