@@ -58,7 +58,8 @@ class NativeMoe:
         gu = torch.empty(picks, self.gate_up.out_features)
         if self._group(self._segments, self.gate_up.address(), e, x.data_ptr(), t, h, experts.data_ptr(), k,
                        off.data_ptr(), order.data_ptr(), pos.data_ptr(), grouped.data_ptr(), gu.data_ptr()):
-            raise ValueError(f"moe: an expert id outside [0, {e}) in {experts.tolist()}")
+            bad = experts[(experts < 0) | (experts >= e)].unique().tolist()
+            raise ValueError(f"moe: expert ids {bad} outside [0, {e})")
         act = activation(gu).contiguous()
         if act.shape != (picks, self.down.in_features) or act.dtype != torch.float32:
             raise ValueError(f"moe: the activation gave {tuple(act.shape)} {act.dtype}")
