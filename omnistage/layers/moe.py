@@ -17,15 +17,19 @@ experts' weighted outputs in ascending expert order, then (shared expert) + gate
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.build import NativeBuildError
 from omnistage.kernels.moe import NativeMoe
 from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.mlp import SwiGLU, swiglu_activation
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class MoeMLP(nn.Module):
                               if s.shared_expert_size else None)
         self.shared_expert_gate = (TransposedLinear(s.hidden_size, [1], bias=False, dtype=dtype)
                                    if s.shared_expert_size else None)
-        self._native: NativeMoe | None = None      # _native_moe, bound at first use
+        self._native: NativeMoe | None = None      # use_native
 
     def _experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert's SwiGLU over its contiguous slice of `grouped` (counts[e] rows, experts
@@ -61,21 +65,30 @@ class MoeMLP(nn.Module):
                 start += n
         return torch.cat(outs)
 
-    def _native_moe(self) -> NativeMoe | None:
-        """The experts bound as native calls (kernels/moe.py: the grouping, both products for
-        every expert and the weighted sums, with SwiGLU's activation between), where every
-        expert's products are on the native kernel. Bound once: a packed weight is never packed
-        again (TransposedLinear refuses a second load). Why: 8 experts cost 16 kernel calls and
-        ~15 small ops from Python per layer and step."""
-        if self._native is None:
-            layers = [(e.gate_up, e.down) for e in self.experts]
-            if any(m.native is None for pair in layers for m in pair):
-                return None
-            kernel = layers[0][0].native
+    @property
+    def runs_native(self) -> bool:
+        """Whether the experts run as native calls (use_native took)."""
+        return self._native is not None
+
+    def use_native(self) -> bool:
+        """Run the experts as native calls from now on (kernels/moe.py: the grouping, both
+        products for every expert and the weighted sums, with SwiGLU's activation between),
+        where every expert's products are on the native kernel and moe.c builds; returns
+        whether they do. Call after packing: a packed weight is never packed again
+        (TransposedLinear refuses a second load), so the binding stays valid. Why: 8 experts
+        cost 16 kernel calls and ~15 small ops from Python per layer and step."""
+        layers = [(e.gate_up, e.down) for e in self.experts]
+        if any(m.native is None for pair in layers for m in pair):
+            return False
+        kernel = layers[0][0].native
+        try:
             self._native = NativeMoe(kernel,
                                      kernel.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
                                      kernel.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
-        return self._native
+        except NativeBuildError as e:
+            log.info("MoE experts stay on tensor ops around their products: %s", e)
+            return False
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, H) -> (weights (T, k) in x's dtype, expert ids (T, k)), as the reference
@@ -91,8 +104,10 @@ class MoeMLP(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         weights, experts = self.route(x)
-        native = self._native_moe() if x.dtype == torch.float32 else None
-        out = native(x, weights, experts, swiglu_activation) if native is not None else self._grouped(x, weights, experts)
+        if self._native is not None and x.dtype == torch.float32:
+            out = self._native(x, weights, experts, swiglu_activation)
+        else:
+            out = self._grouped(x, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -16,6 +16,7 @@ from omnistage.kernels.build import NativeBuildError, pick_native
 from omnistage.kernels.norms import NormKernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.layers.linear import native_kernel_for, pack_linears, weight_format
+from omnistage.layers.moe import MoeMLP
 from omnistage.layers.native_kernel import attach_kernel
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.onednn import onednn_linear_available
@@ -61,6 +62,12 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
             log.info("decoder layers as one native call per step")
         # Layers still run op by op (MoE models) take the norms natively (kernels/norms.py).
         attach_kernel(model, RMSNorm, NormKernel, "RMSNorm layers")
+    if linear.startswith("native"):
+        # MoE layers: the experts' grouping and weighted sums around their products (kernels/moe.py)
+        moe = [m for m in model.modules() if isinstance(m, MoeMLP)]
+        if moe:
+            log.info("MoE experts as two native calls in %d of %d layers",
+                     sum(m.use_native() for m in moe), len(moe))
     runner.keep_prompt_rows = config.enable_prefix_caching
     return RunnerSetup(runner, kv, linear, "torch" if attention is None else "native")
 

@@ -57,6 +57,9 @@ def test_moe_equals_its_definition(shared, top_k, native, inter, c_compiler):
         from omnistage.layers.linear import pack_linears
 
         pack_linears(moe, NativeLinearKernel())
+        assert moe.use_native() and moe.runs_native
+    else:
+        assert not moe.use_native() and not moe.runs_native      # torch products: nothing to bind
     g = torch.Generator().manual_seed(7)
     for rows in (1, 2, 5, 37, 700):
         x = torch.randn(rows, 64, generator=g)

@@ -14,6 +14,7 @@ import torch
 from omnistage import Omni, SamplingParams
 from omnistage.engine_api import OutputOptions
 from omnistage.kernels.linear import native_linear_kernel
+from omnistage.layers.moe import MoeMLP
 
 FRAMES = 9          # talker steps asked of both sides (min = max: no early end of speech)
 SHAPES = {
@@ -122,6 +123,17 @@ def test_the_code_predictor_runs_where_the_kernels_put_it(omni):
     native = omni.config.linear_kernel == "auto" and native_linear_kernel("auto", torch.device("cpu"),
                                                                           torch.float32)[0] is not None
     assert (predictor.native is not None) == native
+
+
+def test_the_moe_layers_run_where_the_kernels_put_them(omni):
+    """On the default kernels every MoE layer of the thinker and the talker runs its experts'
+    grouping and sums as native calls (kernels/moe.py: what the tests below then compare with
+    transformers); on `matmul` as tensor ops."""
+    native = omni.config.linear_kernel == "auto" and native_linear_kernel("auto", torch.device("cpu"),
+                                                                          torch.float32)[0] is not None
+    for name in ("thinker", "talker"):
+        layers = [m for m in omni.engine.graph.stages[name].engine.runner.model.modules() if isinstance(m, MoeMLP)]
+        assert layers and all(m.runs_native == native for m in layers), name
 
 
 def test_text_only_thinker_tokens_equal_transformers(omni, hf):
