@@ -43,6 +43,7 @@ SOURCES = {
     "conv1d_tm.c": [()],
     "window_attention.c": [("-DHEAD_DIM=64", "-DBLOCK=24"), ("-DHEAD_DIM=64", "-DBLOCK=24", "-DIO_BF16=1")],
     "argmax.c": [()],
+    "moe.c": [("-ffp-contract=off",)],
 }
 
 
