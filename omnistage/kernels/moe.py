@@ -20,22 +20,33 @@ FLAGS = ("-ffp-contract=off",)
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class NativeMoe:
-    """One layer's experts bound once: gate_up and down, segment e holding expert e's weight."""
+class MoeKernel:
+    """The compiled grouping and combination (moe.c), shape-free: one serves every MoE layer
+    (layers.native_kernel.attach_kernel hands it out); raises NativeBuildError where it does
+    not build."""
 
-    def __init__(self, kernel: NativeLinearKernel, gate_up: LinearSegments, down: LinearSegments):
+    def __init__(self):
+        lib = ctypes.CDLL(str(build_library(SOURCE, {}, FLAGS)))
+        self.group, self.combine = lib.moe_group_f32, lib.moe_combine_f32
+        self.group.argtypes = [_p, _p, _i64, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p]
+        self.group.restype = ctypes.c_int
+        self.combine.argtypes = [_p, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _p, _p]
+        self.combine.restype = None
+
+
+class NativeMoe:
+    """One layer's experts bound once: gate_up and down, segment e holding expert e's weight,
+    on `linear`'s segmented entry."""
+
+    def __init__(self, kernel: MoeKernel, linear: NativeLinearKernel, gate_up: LinearSegments,
+                 down: LinearSegments):
         if len(gate_up) != len(down) or gate_up.out_features != 2 * down.in_features \
                 or gate_up.in_features != down.out_features:
             raise ValueError(f"moe: gate|up {gate_up.in_features} -> {gate_up.out_features} and down "
                              f"{down.in_features} -> {down.out_features} over {len(gate_up)} / {len(down)} "
                              "experts do not make one SwiGLU per expert")
-        lib = ctypes.CDLL(str(build_library(SOURCE, {}, FLAGS)))
-        self._group, self._combine = lib.moe_group_f32, lib.moe_combine_f32
-        self._group.argtypes = [_p, _p, _i64, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p, _p]
-        self._group.restype = ctypes.c_int
-        self._combine.argtypes = [_p, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _p, _p]
-        self._combine.restype = None
-        self._segments = kernel.segments_address()
+        self._group, self._combine = kernel.group, kernel.combine
+        self._segments = linear.segments_address()
         self.gate_up, self.down = gate_up, down         # kept alive: their arrays are read from C
         self.num_experts, self.hidden = len(gate_up), down.out_features
 

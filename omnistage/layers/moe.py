@@ -17,19 +17,15 @@ experts' weighted outputs in ascending expert order, then (shared expert) + gate
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.build import NativeBuildError
-from omnistage.kernels.moe import NativeMoe
+from omnistage.kernels.moe import MoeKernel, NativeMoe
 from omnistage.layers.linear import TransposedLinear
 from omnistage.layers.mlp import SwiGLU, swiglu_activation
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +49,7 @@ class MoeMLP(nn.Module):
                               if s.shared_expert_size else None)
         self.shared_expert_gate = (TransposedLinear(s.hidden_size, [1], bias=False, dtype=dtype)
                                    if s.shared_expert_size else None)
+        self.kernel: MoeKernel | None = None       # set by attach_kernel (runner_builder)
         self._native: NativeMoe | None = None      # use_native
 
     def _experts(self, grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -73,21 +70,17 @@ class MoeMLP(nn.Module):
     def use_native(self) -> bool:
         """Run the experts as native calls from now on (kernels/moe.py: the grouping, both
         products for every expert and the weighted sums, with SwiGLU's activation between),
-        where every expert's products are on the native kernel and moe.c builds; returns
-        whether they do. Call after packing: a packed weight is never packed again
-        (TransposedLinear refuses a second load), so the binding stays valid. Why: 8 experts
-        cost 16 kernel calls and ~15 small ops from Python per layer and step."""
+        where `kernel` is set (attach_kernel) and every expert's products are on the native
+        kernel; returns whether they do. Call after packing: a packed weight is never packed
+        again (TransposedLinear refuses a second load), so the binding stays valid. Why: 8
+        experts cost 16 kernel calls and ~15 small ops from Python per layer and step."""
         layers = [(e.gate_up, e.down) for e in self.experts]
-        if any(m.native is None for pair in layers for m in pair):
+        if self.kernel is None or any(m.native is None for pair in layers for m in pair):
             return False
-        kernel = layers[0][0].native
-        try:
-            self._native = NativeMoe(kernel,
-                                     kernel.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
-                                     kernel.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
-        except NativeBuildError as e:
-            log.info("MoE experts stay on tensor ops around their products: %s", e)
-            return False
+        linear = layers[0][0].native
+        self._native = NativeMoe(self.kernel, linear,
+                                 linear.segments([g.panels for g, _ in layers], [g.bias for g, _ in layers]),
+                                 linear.segments([d.panels for _, d in layers], [d.bias for _, d in layers]))
         return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

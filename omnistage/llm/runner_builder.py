@@ -13,6 +13,7 @@ from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels.argmax import ArgmaxKernel
 from omnistage.kernels.build import NativeBuildError, pick_native
+from omnistage.kernels.moe import MoeKernel
 from omnistage.kernels.norms import NormKernel
 from omnistage.kernels.paged_attention import PagedAttentionKernel, unsupported_reason
 from omnistage.layers.linear import native_kernel_for, pack_linears, weight_format
@@ -62,12 +63,10 @@ def build_runner(config: EngineConfig, model: torch.nn.Module, eos_ids: set[int]
             log.info("decoder layers as one native call per step")
         # Layers still run op by op (MoE models) take the norms natively (kernels/norms.py).
         attach_kernel(model, RMSNorm, NormKernel, "RMSNorm layers")
-    if linear.startswith("native"):
-        # MoE layers: the experts' grouping and weighted sums around their products (kernels/moe.py)
+    # MoE layers: the experts' grouping and weighted sums around their products (kernels/moe.py)
+    if linear.startswith("native") and attach_kernel(model, MoeMLP, MoeKernel, "MoE layers' grouping and sums"):
         moe = [m for m in model.modules() if isinstance(m, MoeMLP)]
-        if moe:
-            log.info("MoE experts as two native calls in %d of %d layers",
-                     sum(m.use_native() for m in moe), len(moe))
+        log.info("MoE experts as two native calls in %d of %d layers", sum(m.use_native() for m in moe), len(moe))
     runner.keep_prompt_rows = config.enable_prefix_caching
     return RunnerSetup(runner, kv, linear, "torch" if attention is None else "native")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.kernels.moe import MoeKernel
 from omnistage.layers.moe import MoeMLP, MoeShape
 
 
@@ -57,6 +58,9 @@ def test_moe_equals_its_definition(shared, top_k, native, inter, c_compiler):
         from omnistage.layers.linear import pack_linears
 
         pack_linears(moe, NativeLinearKernel())
+    assert not moe.use_native() and not moe.runs_native          # no MoE kernel attached yet
+    moe.kernel = MoeKernel()
+    if native:
         assert moe.use_native() and moe.runs_native
     else:
         assert not moe.use_native() and not moe.runs_native      # torch products: nothing to bind
@@ -99,11 +103,11 @@ def test_native_moe_checks_its_inputs(c_compiler):
     from omnistage.kernels.linear import NativeLinearKernel
     from omnistage.kernels.moe import NativeMoe
 
-    kernel = NativeLinearKernel()
+    kernel, moe_kernel = NativeLinearKernel(), MoeKernel()
     g = torch.Generator().manual_seed(5)
     gate_up = kernel.segments([kernel.pack(torch.randn(16, 24, generator=g)) for _ in range(3)], [None] * 3)
     down = kernel.segments([kernel.pack(torch.randn(12, 16, generator=g)) for _ in range(3)], [None] * 3)
-    moe = NativeMoe(kernel, gate_up, down)
+    moe = NativeMoe(moe_kernel, kernel, gate_up, down)
     x, weights = torch.randn(2, 16, generator=g), torch.full((2, 2), 0.5)
     act = lambda gu: gu[:, :12] * gu[:, 12:]                                   # noqa: E731
     assert moe(x, weights, torch.tensor([[0, 2], [1, 2]]), act).shape == (2, 16)
@@ -116,4 +120,4 @@ def test_native_moe_checks_its_inputs(c_compiler):
     with pytest.raises(ValueError, match="activation"):
         moe(x, weights, torch.tensor([[0, 2], [1, 2]]), lambda gu: gu)
     with pytest.raises(ValueError, match="SwiGLU"):
-        NativeMoe(kernel, gate_up, gate_up)
+        NativeMoe(moe_kernel, kernel, gate_up, gate_up)
